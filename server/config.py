@@ -1,0 +1,39 @@
+"""Configuration: one frozen dataclass per concern, built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "turbo2", "turbo3", "turbo4")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the runtime needs to load a model and schedule requests."""
+
+    model: str | None = None  # GGUF file or HF directory; None means the embedded SmolLM2
+    served_model_name: str | None = None  # defaults to the model's own name
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # compute dtype of weights and activations
+    kv_cache_dtype: str = "auto"  # storage of K and V unless overridden below
+    kv_cache_dtype_k: str | None = None
+    kv_cache_dtype_v: str | None = None
+    kv_cache_memory: int | None = None  # bytes for the page pool; None: a fraction of free memory
+    page_size: int = 16  # tokens per KV page
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_queue: int = 256  # waiting requests beyond which submit() refuses
+    seed: int = 0
+    enforce_eager: bool = False  # disable CUDA graphs
+    kernel_timing_sample_rate: float = 0.01  # fraction of steps whose kernels are timed; 0 disables
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+    max_body_bytes: int = 4 * 1024 * 1024

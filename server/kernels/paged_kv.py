@@ -1,0 +1,119 @@
+"""Paged KV storage: the contract between the runtime and the attention kernels.
+
+One store holds one layer's pages. Sequence s owns the pages listed in
+``block_tables[s]``; its token t lives in page ``block_tables[s, t // page_size]`` at
+offset ``t % page_size``. Nothing may assume that a sequence's pages are contiguous or
+ordered in the pool, and no sequence reads another's pages.
+
+A step writes its new K/V first (``store.write``), then attends (``store.attend``): the
+queries of sequence s are the last ``q_len`` positions of its ``seq_len`` cached tokens
+and attend causally to every cached token up to and including their own position. That
+one rule covers decode (q_len 1), whole prefills and chunked prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset of each new token
+    block_tables: torch.Tensor  # [S, max_pages] int32; entries past a sequence's pages are padding
+    seq_lens: torch.Tensor  # [S] int32: cached tokens per sequence after this step's write
+    query_start_loc: torch.Tensor  # [S + 1] int32: rows of q that belong to each sequence
+    seq_lens_cpu: list[int]  # host copies, so reference paths and launchers never sync
+    query_lens_cpu: list[int]
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+
+class KVLayerStore(Protocol):
+    """What the model's attention layer sees of the KV cache."""
+
+    page_size: int
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at the given slots."""
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, q_heads, head_dim] -> attention output of the same shape and dtype."""
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The meaning of paged attention, in float32.
+
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] in any float dtype (a
+    compressed store passes its pages decoded). GQA: query head h reads KV head
+    h // (q_heads // kv_heads).
+    """
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        if q_len == 0:
+            continue
+        n_pages = -(-seq_len // page_size)
+        pages = meta.block_tables[s, :n_pages].long()
+        k = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:seq_len].float()
+        v = v_pages[pages].reshape(-1, kv_heads, v_pages.shape[-1])[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, q_heads, D]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[starts[s] : starts[s] + q_len].float()  # [q_len, q_heads, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[s] : starts[s] + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+class DenseKVStore:
+    """Pages of plain floating-point K and V (bf16, f16 or f32)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.page_size = page_size
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one token of one layer."""
+        return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.k_pages.view(-1, *self.k_pages.shape[2:]).index_copy_(0, slot_mapping, k.to(self.k_pages.dtype))
+        self.v_pages.view(-1, *self.v_pages.shape[2:]).index_copy_(0, slot_mapping, v.to(self.v_pages.dtype))
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, self.k_pages, self.v_pages, meta, scale)
