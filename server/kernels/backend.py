@@ -1,0 +1,38 @@
+"""Which body of a kernel runs: the Triton fast path or the torch reference.
+
+The fast path runs on CUDA/ROCm tensors when Triton imports; everything else (CPU, a
+platform without Triton, TURBOSERVE_REFERENCE_KERNELS=1) takes the reference, which
+defines the op. Tests call the Triton launchers directly under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the fast body should handle tensors living where ``t`` lives."""
+    return t.is_cuda and triton_available() and os.environ.get("TURBOSERVE_REFERENCE_KERNELS") != "1"
+
+
+def describe(device: torch.device) -> str:
+    """One line for the start-up log: which kernel bodies this device will run."""
+    if device.type != "cuda":
+        return f"reference torch kernels on {device.type}"
+    if not triton_available():
+        return "reference torch kernels (Triton is not installed)"
+    if os.environ.get("TURBOSERVE_REFERENCE_KERNELS") == "1":
+        return "reference torch kernels (TURBOSERVE_REFERENCE_KERNELS=1)"
+    return "Triton fast kernels"
