@@ -1,0 +1,76 @@
+"""bench/harness.py: the arithmetic and bookkeeping behind every kernel-benchmark row."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.harness import KERNELS_END_MARKER, Row, format_table, report, rotation_count, time_ms
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_kernel_bench_refuses_to_run_without_gpu():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "kernels.py"), "all"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0, f"expected a non-zero exit on CPU, got 0; stdout={proc.stdout!r}"
+    assert "needs a GPU" in proc.stderr, proc.stderr
+
+
+def test_time_ms_rotates_inputs_and_excludes_warmup():
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        # The warm-up calls are slow (like a first compile); the timed ones are fast.
+        time.sleep(0.05 if len(calls) <= 3 else 0.001)
+
+    ms = time_ms(fn, n_inputs=4, warmup=3, iters=9, device=torch.device("cpu"))
+    assert calls == [i % 4 for i in range(3)] + [i % 4 for i in range(9)], calls
+    assert 0.9 <= ms < 20, f"median {ms} ms should reflect the 1 ms timed calls, not the 50 ms warm-up"
+
+
+def test_time_ms_rejects_bad_counts():
+    with pytest.raises(ValueError, match="n_inputs >= 1"):
+        time_ms(lambda i: None, n_inputs=0)
+
+
+def test_rotation_spans_twice_the_cache():
+    cpu = torch.device("cpu")
+    assert rotation_count(1 << 30, cpu) == 1
+    assert rotation_count(32 << 20, cpu) == 4  # 2 x 64 MiB default / 32 MiB
+    assert rotation_count(1 << 10, cpu) == 64  # capped
+
+
+def test_row_derived_numbers():
+    row = Row("decode", ours_ms=0.5, baseline_ms=2.0, bytes_moved=2_000_000_000)
+    assert row.speedup == pytest.approx(4.0)
+    assert row.achieved_gbs == pytest.approx(4000.0)  # 2 GB in 0.5 ms
+    assert row.fraction_of_copy(5000.0) == pytest.approx(0.8)
+    bare = Row("no-baseline", ours_ms=1.0)
+    assert bare.speedup is None and bare.achieved_gbs is None and bare.fraction_of_copy(1.0) is None
+    table = format_table([row, bare], copy_gbs=5000.0)
+    assert "| decode | 0.5000 | - | 2.0000 | 4.00x | 4000 | 80% |" in table, table
+
+
+def test_report_inserts_dated_blocks_above_marker_in_order(tmp_path):
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"# B\n\n## Kernels\n\n{KERNELS_END_MARKER}\n\n## End-to-end\n")
+    report("first", [Row("a", 1.0)], 100.0, "python bench/kernels.py turbo", device=torch.device("cpu"), doc_path=doc)
+    report("second", [Row("b", 2.0)], 100.0, "python bench/kernels.py experts", device=torch.device("cpu"), doc_path=doc)
+    text = doc.read_text()
+    first, second, marker, e2e = (text.index(s) for s in ("### first", "### second", KERNELS_END_MARKER, "## End-to-end"))
+    assert first < second < marker < e2e, text
+    assert "- Command: `python bench/kernels.py turbo`" in text
+    assert "- Measured device copy bandwidth: 100 GB/s" in text
+    assert " UTC)" in text and "Hardware: CPU, torch " in text
+
+
+def test_report_refuses_empty_rows(tmp_path):
+    with pytest.raises(ValueError, match="no rows"):
+        report("t", [], 1.0, "cmd", device=torch.device("cpu"), doc_path=tmp_path / "x.md")
