@@ -1,0 +1,185 @@
+"""Randomized Walsh-Hadamard rotation with packed sign bits (specs/turboquant.md, "Rotation").
+
+For each group x of ``group`` consecutive values along the last dimension:
+
+    forward:  y = D2 · H · D1 · x / sqrt(G)
+    inverse:  x = D1 · H · D2 · y / sqrt(G)
+
+H is the unnormalized Sylvester Hadamard matrix in natural order, applied as butterfly
+stages h = 1, 2, ..., G/2 that map the pair (j, j+h) to (a+b, a-b). D1, D2 are diagonal
+sign matrices read from packed 32-bit words: element e is bit (e & 31) of word (e >> 5),
+a set bit meaning -1. A sign is applied by flipping the float's sign bit, which is
+bit-identical to multiplying by -1 for every finite value (spec, "Rotation").
+
+The rotation is linear and orthogonal, so it does not normalize: callers that want the
+unit-vector form divide by the norm themselves. The reference and the Triton body do the
+same float32 operations in the same order, so they agree bit for bit.
+
+Shared by the TurboQuant KV cache and the expert-weight formats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from server.kernels.backend import use_triton
+from server.kernels.timing import timed
+
+# The spec's tables (also used by the llama.cpp TurboQuant forks): 128 signs each.
+SIGNS1 = (0xE46A0359, 0x42F85949, 0xA4C63BBB, 0x49F250A9)
+SIGNS2 = (0x16ACEE90, 0x3F628FDC, 0xB7A5357A, 0xBEA56562)
+
+SignWords = Sequence[int]
+
+
+def check_group(group: int, signs: tuple[SignWords, SignWords]) -> None:
+    """Raise ValueError unless ``group`` is a power of two covered by both sign tables."""
+    if group < 2 or group & (group - 1):
+        raise ValueError(f"rotation group must be a power of two >= 2, got {group}")
+    for name, words in zip(("first", "second"), signs):
+        if 32 * len(words) < group:
+            raise ValueError(
+                f"the {name} sign table has {32 * len(words)} bits but group {group} needs {group}; "
+                f"pass {group // 32} packed 32-bit words per table for this group size"
+            )
+
+
+def sign_bits(words: SignWords, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The first ``group`` sign bits as int32 0/1 (1 means -1), element e from bit e & 31 of word e >> 5."""
+    e = torch.arange(group)
+    w = torch.tensor([int(x) & 0xFFFFFFFF for x in words], dtype=torch.int64)
+    return ((w[e >> 5] >> (e & 31)) & 1).to(torch.int32).to(device)
+
+
+def _sign_words_tensor(words: SignWords, device: torch.device) -> torch.Tensor:
+    # int32 view of the unsigned words (two's complement), so kernels can shift them.
+    vals = [int(x) & 0xFFFFFFFF for x in words]
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in vals], dtype=torch.int32, device=device)
+
+
+def flip_signs(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """x (float32) with its sign bit XORed where bits == 1 (spec: bit-identical to * -1)."""
+    return (x.view(torch.int32) ^ (bits << 31)).view(torch.float32)
+
+
+def fwht_reference(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Sylvester Hadamard transform over the last dim (natural order), float32."""
+    g = x.shape[-1]
+    h = 1
+    while h < g:
+        pairs = x.reshape(*x.shape[:-1], g // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*x.shape[:-1], g)
+        h *= 2
+    return x
+
+
+def rotate_reference(
+    x: torch.Tensor, group: int, inverse: bool = False, signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2)
+) -> torch.Tensor:
+    """The definition of the rotation, in float32; returns float32 of x's shape."""
+    check_group(group, signs)
+    if x.shape[-1] % group:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
+    first, second = (signs[1], signs[0]) if inverse else (signs[0], signs[1])
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    g = flip_signs(g.contiguous(), sign_bits(first, group, x.device))
+    g = fwht_reference(g) * _inv_sqrt(group)
+    g = flip_signs(g.contiguous(), sign_bits(second, group, x.device))
+    return g.reshape(x.shape)
+
+
+def _inv_sqrt(group: int) -> float:
+    # The same float32 constant in the reference and in the kernels keeps them bit-identical.
+    return float(torch.tensor(1.0 / math.sqrt(group), dtype=torch.float32))
+
+
+@triton.jit
+def apply_sign_bits(x, words_ptr, GROUP: tl.constexpr):
+    """Flip the sign of x[..., e] (last dim GROUP, float32) where bit e of the packed words is set."""
+    e = tl.arange(0, GROUP)
+    word = tl.load(words_ptr + (e >> 5))
+    bit = (word >> (e & 31)) & 1
+    flipped = x.to(tl.int32, bitcast=True) ^ (bit << 31)
+    return flipped.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fwht_rows(x, ROWS: tl.constexpr, GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr):
+    """Unnormalized Hadamard transform of each row of a [ROWS, GROUP] float32 tile, in registers.
+
+    Stage h views a row as [GROUP / 2h, 2, h]: the pair (j, j+h) sits on the size-2 axis, so
+    a+b is the sum over that axis and a-b the sum with the second element negated.
+    """
+    for s in tl.static_range(LOG2_GROUP):
+        x4 = tl.reshape(x, (ROWS, GROUP >> (s + 1), 2, 1 << s))
+        upper = tl.arange(0, 2)[None, None, :, None]
+        total = tl.sum(x4, axis=2)
+        diff = tl.sum(tl.where(upper == 1, -x4, x4), axis=2)
+        x4 = tl.where(upper == 0, total[:, :, None, :], diff[:, :, None, :])
+        x = tl.reshape(x4, (ROWS, GROUP))
+    return x
+
+
+@triton.jit
+def rotate_rows(x, first_ptr, second_ptr, inv_sqrt, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                LOG2_GROUP: tl.constexpr):
+    """Rotate each row of a [ROWS, GROUP] float32 tile: second · H · first · x / sqrt(G)."""
+    x = apply_sign_bits(x, first_ptr, GROUP)
+    x = fwht_rows(x, ROWS, GROUP, LOG2_GROUP) * inv_sqrt
+    return apply_sign_bits(x, second_ptr, GROUP)
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, out_ptr, first_ptr, second_ptr, n_rows, inv_sqrt,
+                   ROWS: tl.constexpr, GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None].to(tl.int64) * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = rows[:, None] < n_rows
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = rotate_rows(x, first_ptr, second_ptr, inv_sqrt, ROWS, GROUP, LOG2_GROUP)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotate_triton(
+    x: torch.Tensor,
+    group: int,
+    inverse: bool = False,
+    signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2),
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Triton body of ``rotate``: float32 math, output in ``out_dtype`` (default: x's dtype)."""
+    check_group(group, signs)
+    if x.shape[-1] % group:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
+    first, second = (signs[1], signs[0]) if inverse else (signs[0], signs[1])
+    src = x.contiguous()
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    n_rows = src.numel() // group
+    rows = max(1, min(4096 // group, triton.next_power_of_2(max(n_rows, 1))))
+    if n_rows:
+        with timed("rotation", x.device):
+            _rotate_kernel[(triton.cdiv(n_rows, rows),)](
+                src, out, _sign_words_tensor(first, x.device), _sign_words_tensor(second, x.device),
+                n_rows, _inv_sqrt(group), ROWS=rows, GROUP=group, LOG2_GROUP=group.bit_length() - 1,
+            )
+    return out
+
+
+def rotate(
+    x: torch.Tensor, group: int, inverse: bool = False, signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2)
+) -> torch.Tensor:
+    """Rotate every ``group``-sized slice of x's last dim; any leading shape; result in x's dtype.
+
+    ``signs`` is (first table, second table) as packed 32-bit words, each covering at least
+    ``group`` bits; the defaults are the spec's 128-bit tables. ``inverse=True`` undoes the
+    forward rotation (up to float rounding).
+    """
+    if use_triton(x):
+        return rotate_triton(x, group, inverse, signs)
+    return rotate_reference(x, group, inverse, signs).to(x.dtype)
