@@ -1,0 +1,1 @@
+"""Measurement tools: perplexity, the serving load generator, the evaluation corpus."""
