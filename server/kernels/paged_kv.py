@@ -18,10 +18,12 @@ from typing import Protocol
 
 import torch
 
+from server.kernels.backend import use_triton
+
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset of each new token
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset of each new token (< 0: padding, fast stores skip it)
     block_tables: torch.Tensor  # [S, max_pages] int32; entries past a sequence's pages are padding
     seq_lens: torch.Tensor  # [S] int32: cached tokens per sequence after this step's write
     query_start_loc: torch.Tensor  # [S + 1] int32: rows of q that belong to each sequence
@@ -112,8 +114,16 @@ class DenseKVStore:
         return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if use_triton(k):
+            from server.kernels.dense_attention import write_kv_pages  # Triton only where it runs
+
+            return write_kv_pages(k, v, self.k_pages, self.v_pages, slot_mapping)
         self.k_pages.view(-1, *self.k_pages.shape[2:]).index_copy_(0, slot_mapping, k.to(self.k_pages.dtype))
         self.v_pages.view(-1, *self.v_pages.shape[2:]).index_copy_(0, slot_mapping, v.to(self.v_pages.dtype))
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if use_triton(q):
+            from server.kernels.dense_attention import paged_attention
+
+            return paged_attention(q, self.k_pages, self.v_pages, meta, scale)
         return paged_attention_reference(q, self.k_pages, self.v_pages, meta, scale)

@@ -1,0 +1,343 @@
+"""Triton paged attention over plain float pages: the fast body of ``DenseKVStore``.
+
+Same meaning as ``paged_kv.paged_attention_reference`` (read that first); three kernels:
+
+- ``write_kv_pages``: scatters a step's new K and V into their slots in one launch. A
+  negative slot means "padding row, store nothing", which lets CUDA-graph replays pad a
+  batch up to its captured size without touching any sequence's pages.
+- ``paged_decode``: one query token per sequence (flash-decoding). A program owns one
+  (sequence, KV head, split): it reads each K/V tile once for all query heads of its GQA
+  group, because decode is bound by reading the pages, not by arithmetic. Long contexts
+  are cut into ``num_splits`` ranges whose partial results a merge kernel combines by
+  their log-sum-exp. Split lengths are computed on the device from ``seq_lens``, so one
+  launch (and one captured graph) is valid for any context length.
+- ``paged_prefill``: a varlen chunk of queries per sequence attending causally to the
+  cached prefix plus itself (whole prompts, chunked prefill, and mixed steps).
+
+Softmax runs in float32 in the log2 domain (exp2 is one instruction); tiles multiply in
+the pages' dtype. bf16 is converted before arithmetic, so the CPU interpreter is exact
+for fp16/fp32 (shared/ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from server.kernels.timing import timed
+
+if TYPE_CHECKING:  # paged_kv imports this module lazily; a runtime import would be circular
+    from server.kernels.paged_kv import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_pages_ptr, v_pages_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_slot, stride_pslot, stride_ph,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        dst = slot * stride_pslot + head * stride_ph + dims
+        k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=dim_mask)
+        v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=dim_mask)
+        tl.store(k_pages_ptr + dst, k.to(k_pages_ptr.dtype.element_ty), mask=dim_mask)
+        tl.store(v_pages_ptr + dst, v.to(v_pages_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@triton.jit
+def _load_kv_tile(pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                  stride_page, stride_slot, stride_head, PAGE_SIZE: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] of K or V for the given token positions, through the block table."""
+    pages = tl.load(block_table_row + toks // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    rows = pages * stride_page + (toks % PAGE_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(pages_ptr + rows[:, None] + dims[None, :],
+                   mask=tok_mask[:, None] & dim_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_page, stride_slot, stride_head, stride_bt,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Whole tiles per split, so only the last tile of the sequence is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = q.to(k_pages_ptr.dtype.element_ty)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                          stride_page, stride_slot, stride_head, PAGE_SIZE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                          stride_page, stride_slot, stride_head, PAGE_SIZE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    # An empty range (a split past the end, or a padding row with seq_len 0) has l == 0:
+    # it contributes output 0 and log-sum-exp -inf, never NaN.
+    l_safe = tl.where(l > 0, l, 1.0)
+    out = acc / l_safe[:, None]
+    mask = row_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [S, Hq, splits] row
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=mask)
+        lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq * NUM_HEADS + head
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + splits)
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: every weight is 0
+    weight = tl.exp2(lse - top)
+    total = tl.sum(weight, axis=0)
+    parts = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * BLOCK_D + dims[None, :])
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_page, stride_slot, stride_head, stride_bt,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // GROUP
+
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    q_pos = seq_len - q_len + rows  # position of each query in its sequence
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = q.to(k_pages_ptr.dtype.element_ty)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Causal: this block's last query sees keys up to its own position; an idle block
+    # (past the sequence's queries) runs no iteration and stores nothing.
+    end = tl.where(block_m * BLOCK_M < q_len, tl.minimum(seq_len, seq_len - q_len + (block_m + 1) * BLOCK_M), 0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                          stride_page, stride_slot, stride_head, PAGE_SIZE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # Every row sees key 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                          stride_page, stride_slot, stride_head, PAGE_SIZE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    """Enough programs for two waves on every SM (one per SM leaves bandwidth idle)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Power of two (bounded recompiles) that fills the GPU without splits of a few tokens."""
+    wanted = triton.cdiv(_target_programs(device), max(1, num_seqs * num_kv_heads))
+    wanted = min(wanted, triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
+    return 1 if wanted <= 1 else triton.next_power_of_2(wanted)
+
+
+def _check_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+    if q.dim() != 3 or k_pages.dim() != 4:
+        raise ValueError(
+            f"paged attention expects q [tokens, q_heads, head_dim] and pages [pages, page_size, kv_heads, "
+            f"head_dim]; got q {tuple(q.shape)} and pages {tuple(k_pages.shape)}"
+        )
+    if k_pages.shape != v_pages.shape or k_pages.stride() != v_pages.stride() or k_pages.dtype != v_pages.dtype:
+        raise ValueError("K and V pages must have the same shape, strides and dtype")
+    if k_pages.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("the last (head_dim) dimension of q and of the pages must be contiguous")
+    kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads != 0:
+        raise ValueError(
+            f"q has {q.shape[1]} heads of dim {q.shape[2]}; pages have {kv_heads} KV heads of dim {head_dim}: "
+            f"query heads must be a multiple of KV heads and head dims must match"
+        )
+
+
+def _dot_precision(pages: torch.Tensor) -> str:
+    # fp32 pages are the exactness path (tests, CPU-sized models): no TF32 rounding there.
+    return "ieee" if pages.dtype == torch.float32 else "tf32"
+
+
+def write_kv_pages(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k, v [T, kv_heads, head_dim] into their slots; slots < 0 are padding and store nothing."""
+    tokens, kv_heads, head_dim = k.shape
+    if k_pages.shape[2:] != (kv_heads, head_dim) or v.shape != k.shape or slot_mapping.shape != (tokens,):
+        raise ValueError(
+            f"write_kv_pages: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+            f"must agree with pages [..., {k_pages.shape[2]} kv_heads, {k_pages.shape[3]} head_dim]"
+        )
+    if tokens == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_pages.stride() != v_pages.stride() or not k_pages.is_contiguous():
+        raise ValueError("write_kv_pages needs contiguous pages and a contiguous head_dim in k and v")
+    with timed("dense_kv_write", k.device):
+        _write_kv_kernel[(tokens, kv_heads)](
+            k, v, k_pages, v_pages, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            slot_mapping.stride(0), k_pages.stride(1), k_pages.stride(2),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        )
+
+
+def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+    """One query per sequence: q [S, q_heads, D] -> [S, q_heads, D]. num_splits: a power of two."""
+    _check_pages(q, k_pages, v_pages)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    num_seqs, q_heads, head_dim = q.shape
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q_heads // kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: the single split writes the output itself
+    with timed("dense_paged_decode", q.device):
+        _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+            q, k_pages, v_pages, block_tables, seq_lens, out, part_out, part_lse,
+            scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_tables.stride(0),
+            PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
+            NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(k_pages),
+            num_warps=4, num_stages=3,
+        )
+        if num_splits > 1:
+            _decode_merge_kernel[(num_seqs, q_heads)](
+                part_out, part_lse, out, out.stride(0), out.stride(1),
+                NUM_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            )
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                  scale: float) -> torch.Tensor:
+    """Varlen causal attention: q [T, q_heads, D] rows grouped by query_start_loc -> same shape."""
+    _check_pages(q, k_pages, v_pages)
+    tokens, q_heads, head_dim = q.shape
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    block = 64 if block_d <= 128 else 32  # keeps the [BLOCK, D] tiles of a 256-dim head in registers
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    with timed("dense_paged_prefill", q.device):
+        _prefill_kernel[(num_seqs, q_heads, triton.cdiv(max_query_len, block))](
+            q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out,
+            scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_tables.stride(0),
+            PAGE_SIZE=page_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=_dot_precision(k_pages),
+            num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        )
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Fast body of ``paged_attention_reference``: decode kernel for decode-only steps, else varlen."""
+    if meta.is_decode_only and q.shape[0] == len(meta.seq_lens_cpu):
+        splits = choose_num_splits(q.shape[0], k_pages.shape[2], meta.max_seq_len, q.device)
+        return paged_decode(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, scale, splits)
+    return paged_prefill(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                         meta.max_query_len, scale)
