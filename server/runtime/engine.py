@@ -1,0 +1,344 @@
+"""The engine: requests in, tokens out, one step loop in its own thread.
+
+``submit`` validates in the caller's thread (a request that can never be served is
+rejected at once) and hands the sequence to the loop; everything else (scheduling, the
+model, sampling, detokenization, the ``on_output`` callbacks) happens in the loop's
+thread, so the scheduler and the KV pool need no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from server.config import EngineConfig
+from server.kernels import backend
+from server.runtime.detokenizer import IncrementalDetokenizer
+from server.runtime.kv_cache import KVCache, KVLayout, default_budget_bytes, resolve_kv_kinds
+from server.runtime.model_runner import ChunkResult, ModelRunner
+from server.runtime.scheduler import ScheduledChunk, Scheduler
+from server.runtime.sequence import SamplingParams, Sequence, TokenLogprob
+
+if TYPE_CHECKING:
+    from server.runtime.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new tokens since the previous output of this request
+    text: str  # new text since the previous output (see detokenizer.py for what is held back)
+    logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[float | None] | None  # only on the first output, when asked
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    error: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (too long, bad parameter); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (max_queue); try again later."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _int64_seed(seed: int) -> int:
+    """Any Python int as a signed 64-bit value (the sampler hashes all 64 bits)."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """Load the model (or take ``loaded``, already on its device) and size the KV pool."""
+        self.config = config
+        if loaded is None:
+            from server.runtime.models.loader import load_model
+
+            self.device = resolve_device(config.device)
+            dtype = resolve_dtype(config.dtype, self.device)
+            loaded = load_model(config.model, self.device, dtype)
+        else:
+            weight = next(loaded.model.parameters())
+            self.device, dtype = weight.device, weight.dtype
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.model_name = config.served_model_name or loaded.name
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len)
+        mc = self.model_config
+        k_kind, v_kind = resolve_kv_kinds(config, dtype)
+        budget = config.kv_cache_memory if config.kv_cache_memory is not None else default_budget_bytes(self.device)
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self._seed_source = random.Random(config.seed)
+        self._cond = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._requests: dict[str, Sequence] = {}  # live requests, submit() until finished
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        log.info(
+            "loaded %s (%s) on %s as %s; %s; %s; max_model_len %d",
+            self.model_name, loaded.path, self.device, dtype, backend.describe(self.device),
+            self.kv_cache.describe(), self.max_model_len,
+        )  # fmt: skip
+
+    def _resolve_max_model_len(self, asked: int | None) -> int:
+        limit = self.model_config.max_position_embeddings
+        if asked is None:
+            return limit
+        if not 1 <= asked <= limit:
+            raise ValueError(f"max_model_len={asked} must be between 1 and the model's context length {limit}")
+        return asked
+
+    # -- public API (any thread) ------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="turboserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None],
+    ) -> None:
+        self._validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        seq = Sequence(request_id, prompt_token_ids, params, _int64_seed(seed), on_output)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output
+        )
+        with self._cond:
+            if self._stopping or not self.is_alive():
+                raise RuntimeError("the engine is not running (it was shut down or never started)")
+            if request_id in self._requests:
+                raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_queue:
+                raise EngineOverloaded(
+                    f"{self.config.max_queue} requests are already waiting (max_queue); retry shortly"
+                )
+            self._requests[request_id] = seq
+            self._inbox.append(seq)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify()
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+        """Run one request to completion (starting the loop if needed) and return all of it at once."""
+        self.start()
+        parts: list[RequestOutput] = []
+        done = threading.Event()
+
+        def collect(out: RequestOutput) -> None:
+            parts.append(out)
+            if out.finished:
+                done.set()
+
+        self.submit(f"generate-{uuid.uuid4().hex}", prompt_token_ids, params, collect)
+        done.wait()
+        last = parts[-1]
+        return RequestOutput(
+            request_id=last.request_id,
+            token_ids=[t for p in parts for t in p.token_ids],
+            text="".join(p.text for p in parts),
+            logprobs=None if params.logprobs is None else [lp for p in parts for lp in p.logprobs or []],
+            prompt_logprobs=parts[0].prompt_logprobs,
+            finished=True,
+            finish_reason=last.finish_reason,
+            error=last.error,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_generated_tokens=last.num_generated_tokens,
+        )
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise RequestRejected("the prompt is empty; send at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise RequestRejected(exc.args[0], param=exc.args[1]) from None
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise RequestRejected(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}", "logprobs")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
+                f"({len(prompt)} in the prompt, {params.max_tokens} to generate); shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(prompt) < self.max_model_len else "prompt",
+                code="context_length_exceeded",
+            )
+        pages = self.kv_cache.pages_for(total)
+        if pages > self.kv_cache.num_pages:
+            raise RequestRejected(
+                f"{total} tokens need {pages} KV pages but the whole pool has {self.kv_cache.num_pages} "
+                f"({self.kv_cache.tokens_that_fit} tokens); lower max_tokens or start the server with more "
+                "--kv-cache-memory",
+                param="max_tokens",
+                code="kv_cache_too_small",
+            )
+
+    # -- the loop (engine thread only) ------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for seq in inbox:
+                self.scheduler.add(seq)
+            for request_id in aborts:
+                if request_id in self._requests:
+                    self._finish(self._requests[request_id], "abort")
+            try:
+                self.step()
+            except Exception as exc:  # a bug outside the model call: fail everyone rather than spin
+                log.exception("engine step failed outside the model; failing all live requests")
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(seq, "error", error=f"internal engine error: {exc!r}")
+        with self._cond:
+            live = list(self._requests.values())
+        for seq in live:
+            self._finish(seq, "abort")
+
+    def step(self) -> None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        try:
+            results: list[ChunkResult | Exception] = list(self.runner.execute(chunks))
+        except Exception as exc:
+            log.warning("step of %d sequences failed (%r); retrying each alone to find the culprit", len(chunks), exc)
+            results = [self._execute_alone(chunk) for chunk in chunks]
+        for chunk, result in zip(chunks, results):
+            if isinstance(result, Exception):
+                self._finish(chunk.seq, "error", error=f"model step failed: {result!r}")
+                continue
+            try:
+                self._advance(chunk, result)
+            except Exception as exc:
+                log.exception("post-processing %s failed", chunk.seq.request_id)
+                self._finish(chunk.seq, "error", error=f"post-processing failed: {exc!r}")
+
+    def _execute_alone(self, chunk: ScheduledChunk) -> ChunkResult | Exception:
+        # Safe to redo: a chunk writes only its own sequence's slots, with the same values.
+        try:
+            return self.runner.execute([chunk])[0]
+        except Exception as exc:
+            log.exception("sequence %s fails on its own", chunk.seq.request_id)
+            return exc
+
+    def _advance(self, chunk: ScheduledChunk, result: ChunkResult) -> None:
+        seq, params = chunk.seq, chunk.seq.params
+        seq.num_computed_tokens += chunk.num_tokens
+        if result.prompt_logprobs is not None:
+            seq.prompt_logprobs.extend(result.prompt_logprobs)
+        if result.token is None:
+            return
+        token = result.token
+        seq.append_token(token)
+        if result.logprob is not None:
+            seq.logprobs.append(result.logprob)
+        detok = seq.detokenizer
+        reason = None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            text, reason = detok.finish(), "stop"  # the stop token's own text is not output
+        else:
+            text = detok.add_token(token)
+            if detok.stopped:
+                reason = "stop"
+            elif seq.num_generated_tokens >= params.max_tokens:
+                text, reason = text + detok.finish(), "length"
+        if reason is None:
+            self._emit(seq, [token], text, finished=False)
+        else:
+            self._finish(seq, reason, token_ids=[token], text=text)
+
+    def _finish(self, seq: Sequence, reason: str, token_ids=(), text: str = "", error: str | None = None) -> None:
+        """Free the pages at once, then send the final output."""
+        if seq.is_finished:
+            return
+        self.scheduler.remove(seq)
+        seq.finish_reason, seq.error = reason, error
+        with self._cond:
+            self._requests.pop(seq.request_id, None)
+        self._emit(seq, list(token_ids), text, finished=True)
+
+    def _emit(self, seq: Sequence, token_ids: list[int], text: str, finished: bool) -> None:
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        out = RequestOutput(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            text=text,
+            logprobs=None if seq.params.logprobs is None else seq.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            error=seq.error,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_generated_tokens=seq.num_generated_tokens,
+        )
+        seq.logprobs = []
+        try:
+            seq.on_output(out)
+        except Exception:
+            log.exception("on_output callback of %s raised; the request goes on", seq.request_id)

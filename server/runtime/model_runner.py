@@ -1,0 +1,131 @@
+"""One engine step on the device: flatten the scheduled chunks, run the model, sample.
+
+The batch is flat: the chunks' tokens are concatenated into ``input_ids``/``positions``
+and ``AttentionMetadata`` says which rows belong to which sequence (server/kernels/
+paged_kv.py). Logits are computed only for rows that need them: each sampling chunk's
+last row, and every prompt row of a chunk whose request asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.kernels.paged_kv import AttentionMetadata
+from server.runtime.kv_cache import KVCache
+from server.runtime.sampler import SamplingTensors, sample, token_logprobs
+from server.runtime.scheduler import ScheduledChunk
+from server.runtime.sequence import TokenLogprob
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logit_rows: list[int]  # rows of the flat batch whose logits are computed
+    row_starts: list[int]  # first row of each chunk (host copy of query_start_loc)
+
+
+@dataclass
+class ChunkResult:
+    token: int | None = None  # the next token, when the chunk samples
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[float] | None = None  # of prompt tokens start+1 .. in this chunk
+
+
+def wants_prompt_logprobs(chunk: ScheduledChunk) -> bool:
+    """The chunk covers prompt positions whose successors' logprobs are still missing
+    (after a preemption the recompute does not ask again)."""
+    seq = chunk.seq
+    return (
+        seq.prompt_logprobs is not None
+        and len(seq.prompt_logprobs) == chunk.start + 1
+        and chunk.start + 1 < seq.num_prompt_tokens
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, max_model_len: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        # A fixed block-table width keeps decode shapes static per batch size (CUDA graphs).
+        self.max_pages_per_seq = kv_cache.pages_for(max_model_len)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        block_tables = torch.zeros(len(chunks), self.max_pages_per_seq, dtype=torch.int32)
+        for i, chunk in enumerate(chunks):
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            first_row = len(ids)
+            ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slots += [self.kv_cache.slot(seq, p) for p in range(start, start + n)]
+            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            if wants_prompt_logprobs(chunk):
+                logit_rows += range(first_row, first_row + n)
+            elif chunk.samples:
+                logit_rows.append(first_row + n - 1)
+        query_lens = [c.num_tokens for c in chunks]
+        seq_lens = [c.start + c.num_tokens for c in chunks]
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+
+        def on_device(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=on_device(slots, torch.int64),
+            block_tables=block_tables.to(self.device, non_blocking=True),
+            seq_lens=on_device(seq_lens, torch.int32),
+            query_start_loc=on_device(query_start, torch.int32),
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+        )
+        return StepInputs(
+            on_device(ids, torch.int64), on_device(positions, torch.int64), meta, logit_rows, query_start[:-1]
+        )
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model call; decode-only steps (inputs.meta.is_decode_only) are what CUDA graphs replay."""
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        inputs = self.prepare(chunks)
+        hidden = self.forward(inputs)
+        results = [ChunkResult() for _ in chunks]
+        if not inputs.logit_rows:
+            return results
+        logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
+        row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
+        starts = inputs.row_starts
+
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if sampling:
+            last_rows = torch.tensor([row_of[starts[i] + chunks[i].num_tokens - 1] for i in sampling], device=self.device)
+            sample_logits = logits[last_rows]
+            seqs = [chunks[i].seq for i in sampling]
+            tokens = sample(sample_logits, SamplingTensors.from_sequences(seqs, logits.shape[1], self.device))
+            logprobs = token_logprobs(sample_logits, tokens, [s.params.logprobs for s in seqs])
+            for i, token, logprob in zip(sampling, tokens.tolist(), logprobs):
+                results[i].token, results[i].logprob = token, logprob
+
+        for i, chunk in enumerate(chunks):
+            if wants_prompt_logprobs(chunk):
+                results[i].prompt_logprobs = self._prompt_logprobs(chunk, logits, row_of[starts[i]])
+        return results
+
+    def _prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor, first: int) -> list[float]:
+        """Logprob of prompt token p+1 given tokens 0..p, for each prompt position p of the chunk."""
+        seq = chunk.seq
+        n = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1) - chunk.start
+        targets = torch.tensor(seq.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + n], device=self.device)
+        logprobs = torch.log_softmax(logits[first : first + n], dim=-1)
+        return logprobs.gather(1, targets[:, None]).squeeze(1).tolist()

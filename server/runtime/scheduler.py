@@ -1,0 +1,104 @@
+"""Continuous batching: which sequences run this step and how many of their tokens.
+
+Every sequence is the same thing to the scheduler: ``num_computed_tokens`` of its
+``num_tokens`` have K/V in the cache, and this step computes the next chunk. A decode is a
+chunk of one token; a prefill (or a recompute after preemption) is a longer one. A
+sequence samples when its chunk reaches its last token.
+
+Policy, per step, within ``max_num_batched_tokens``: running decodes first (oldest first),
+then running prefills, then new admissions from the head of ``waiting`` while pages are
+free. When a running sequence needs a page and none is free, the sequence at the back
+of this step's queue (the newest prefill, else the newest decode) is preempted: its
+pages are freed and it goes back to the head of ``waiting`` to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from server.config import EngineConfig
+from server.runtime.kv_cache import KVCache
+from server.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed_tokens)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its logits pick the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCache):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv_cache = kv_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        pending = deque(decodes + prefills)  # victims are taken from the back
+        preempted = False
+        while pending and budget > 0:
+            seq = pending.popleft()
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv_cache.can_grow(seq, seq.num_computed_tokens + n):
+                victim = pending.pop() if pending else seq
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chunks.append(self._take(seq, n))
+                budget -= n
+        # Admit only when nobody was just preempted: the pool is tight, resuming would thrash.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.kv_cache.can_grow(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._take(seq, n))
+            budget -= n
+        return chunks
+
+    def _take(self, seq: Sequence, n: int) -> ScheduledChunk:
+        self.kv_cache.grow(seq, seq.num_computed_tokens + n)
+        return ScheduledChunk(seq, seq.num_computed_tokens, n)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the pages, keep the tokens (sequence.py explains why that is exact)."""
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, aborted or failed) and return its pages at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # not there yet if it never left the engine's inbox
+            self.waiting.remove(seq)
+        self.kv_cache.free(seq)
+        seq.status = SequenceStatus.FINISHED
