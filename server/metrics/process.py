@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram, Info
 
@@ -19,6 +20,7 @@ step_duration = Histogram(
 )  # fmt: skip
 steps = Counter("turboserve_engine_steps", "Engine steps run, by whether a CUDA graph replayed the forward.",
                 LABELS + ["cuda_graph"])  # fmt: skip
+engine_alive = Gauge("turboserve_engine_alive", "1 while the engine step loop runs, 0 once it died.", LABELS)
 cuda_graphs_captured = Gauge(
     "turboserve_cuda_graphs_captured", "Decode batch sizes captured as CUDA graphs (0: eager).", LABELS
 )
@@ -48,6 +50,10 @@ class ProcessMetrics:
             "version": package_version(), "device": device, "kv_cache_dtype_k": kv_cache_dtype_k,
             "kv_cache_dtype_v": kv_cache_dtype_v, "weight_formats": weight_formats, "kernels": kernels,
         })  # fmt: skip
+
+    def watch_engine(self, is_alive: Callable[[], bool]) -> None:
+        """Report the engine loop's liveness, asked at every scrape (what /health answers)."""
+        engine_alive.labels(self.model_name).set_function(lambda: float(is_alive()))
 
     def on_cuda_graphs(self, num_captured: int) -> None:
         cuda_graphs_captured.labels(self.model_name).set(num_captured)
