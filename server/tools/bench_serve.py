@@ -204,12 +204,13 @@ def summarize(cfg: BenchConfig, model: str, results: list[RequestResult], durati
     output_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in done)
     tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1 and r.ttft_s]
+    rate = cfg.request_rate if cfg.request_rate < float("inf") else "inf"  # JSON has no infinity
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
             errors[r.error] = errors.get(r.error, 0) + 1
     return {
-        "config": {**asdict(cfg), "model": model},
+        "config": {**asdict(cfg), "model": model, "request_rate": rate},
         "duration_s": duration_s,
         "completed": len(done),
         "failed": len(results) - len(done),
