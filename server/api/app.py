@@ -1,0 +1,90 @@
+"""The FastAPI application: routes, body limits, auth, error bodies."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from server.api.auth import require_api_key
+from server.api.chat import create_chat_completion
+from server.api.completions import create_completion
+from server.api.errors import ApiError, from_validation_error, install_error_handlers
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.serving import ServingContext
+from server.config import ServerConfig
+from server.metrics import exposition
+from server.metrics.process import package_version
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes (declared or sent)."""
+    def too_large() -> ApiError:
+        return ApiError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                        "(--max-body-bytes); send a smaller request.", code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large()
+    return bytes(body)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], raw: bytes) -> Body:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def create_app(engine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine` (a started server.runtime.engine.Engine, or anything with its interface)."""
+    version = package_version()
+    ctx = ServingContext(engine=engine, model_name=engine.model_name, max_body_bytes=config.max_body_bytes,
+                         system_fingerprint=f"turboserve-{version}")
+    app = FastAPI(title="turboserve", version=version)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key(config.api_key))])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_body(ChatCompletionRequest, await read_body(request, ctx.max_body_bytes))
+        return await create_chat_completion(ctx, request, body)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = parse_body(CompletionRequest, await read_body(request, ctx.max_body_bytes))
+        return await create_completion(ctx, request, body)
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
+                                            "owned_by": "turboserve", "max_model_len": ctx.max_model_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if engine.is_alive():
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "reason": "the engine loop is not running"}, status_code=503)
+
+    @app.get("/version")
+    async def version_route():
+        return {"version": version}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = exposition()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,165 @@
+"""OpenAI request bodies (pydantic) and their translation into engine SamplingParams.
+
+Strict types (a string where a number belongs is an error, as at OpenAI); unknown fields are
+accepted and ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.api.errors import ApiError
+from server.runtime.sequence import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    # Cross-field checks raise ApiError, which pydantic lets through, so the error names its field.
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role; expected one of {', '.join(CHAT_ROLES)}")
+        return role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+            raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
+        for part in content:
+            if part.get("type") != "text":
+                raise ValueError(f"only text parts are supported, not {part.get('type')!r}")
+        return content
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, body: Any) -> Any:
+        # Many clients send `"temperature": null` for "not set"; every field's default is that.
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> Any:
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return stop
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("stream_options", "stream_options is only allowed when stream is true.")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+        """Params of the index-th of the n sequences (seed + index, so the n differ yet repeat)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=None if self.seed is None else self.seed + index, stop=list(self.stop or []),
+            ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true.")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        def is_ids(x):
+            return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        ok = (isinstance(prompt, str) or is_ids(prompt)
+              or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt))
+              or (isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt)))
+        if not ok:
+            raise ValueError("prompt must be a string, a non-empty list of strings, a non-empty list of "
+                             "token ids, or a non-empty list of non-empty token-id lists")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
