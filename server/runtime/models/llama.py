@@ -1,0 +1,128 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3), in reading order.
+
+One token stream of T tokens from any number of sequences goes through the stack at once; the paged KV
+store of each layer knows which tokens belong to which sequence (see server/kernels/paged_kv.py).
+MoE models (moe.py) reuse this stack and swap the MLP of their sparse layers.
+
+Parameter names follow the Hugging Face checkpoints minus the ``model.`` prefix, except that q/k/v are
+fused into ``qkv_proj`` and gate/up into ``gate_up_proj`` (one matmul each; see weights.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.kernels.paged_kv import AttentionMetadata, KVLayerStore
+from server.runtime.models.config import ModelConfig
+from server.runtime.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 (bf16 squares overflow the mantissa); the weight multiplies in x's dtype,
+        # as the checkpoints were trained.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Call: ``mlp(x [T, H]) -> [T, H]``; a quantized MLP keeps that call."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # rows: gate, then up
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_output_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        kv.write(k, v, meta.slot_mapping)
+        out = kv.attend(q, meta, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm, LM head. ``make_mlp(layer)`` builds each layer's MLP."""
+
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[int], nn.Module] | None = None):
+        super().__init__()
+        self.config = cfg
+        make_mlp = make_mlp or (lambda layer: DenseMLP(cfg.hidden_size, cfg.intermediate_size))
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, make_mlp(i)) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: list[KVLayerStore],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        if len(kv) != len(self.layers):
+            raise ValueError(f"got {len(kv)} KV stores for a model of {len(self.layers)} layers; pass one per layer")
+        x = self.embed_tokens(input_ids)
+        for layer, store in zip(self.layers, kv):
+            x = layer(x, positions, store, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows that need logits) -> float32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
