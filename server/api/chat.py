@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -21,8 +20,8 @@ def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception("roles must alternate")
-        raise ApiError(400, f"The model's chat template rejected these messages: {exc}", param="messages",
+    except ValueError as exc:  # no template, or the template's raise_exception("roles must alternate")
+        raise ApiError(400, f"Cannot render these messages: {exc}", param="messages",
                        code="invalid_value") from None
     return ctx.encode(text, "messages")
 
