@@ -104,7 +104,8 @@ class Engine:
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len)
+        graph_batch = 0 if config.enforce_eager else config.max_num_seqs
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len, graph_batch)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._seed_source = random.Random(config.seed)
         self._cond = threading.Condition()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
+from server.runtime.cuda_graphs import maybe_capture_decode_graphs
 from server.runtime.kv_cache import KVCache
 from server.runtime.sampler import SamplingTensors, sample, token_logprobs
 from server.runtime.scheduler import ScheduledChunk
@@ -47,12 +48,18 @@ def wants_prompt_logprobs(chunk: ScheduledChunk) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, max_model_len: int):
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, max_model_len: int,
+        max_graph_batch: int = 0,  # decode batches up to this size replay CUDA graphs; 0: always eager
+    ):  # fmt: skip
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         # A fixed block-table width keeps decode shapes static per batch size (CUDA graphs).
         self.max_pages_per_seq = kv_cache.pages_for(max_model_len)
+        self.graphs = maybe_capture_decode_graphs(
+            model, kv_cache.stores, max_graph_batch, self.max_pages_per_seq, max_model_len, device
+        )
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         ids: list[int] = []
@@ -94,6 +101,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model call; decode-only steps (inputs.meta.is_decode_only) are what CUDA graphs replay."""
+        if self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
 
     @torch.inference_mode()
