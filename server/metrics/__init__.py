@@ -34,6 +34,23 @@ class EngineMetrics:
         self.process = ProcessMetrics(self.model_name)
         kernels.set_model_name(self.model_name)
 
+    def on_step(
+        self,
+        *,
+        seconds: float,
+        cuda_graph: bool,
+        num_running: int,
+        num_waiting: int,
+        num_tokens: int,
+        num_preempted: int,
+        pages_used: int,
+    ) -> None:
+        """After every pass of the engine loop; a pass that scheduled no token records no step time."""
+        if num_tokens:
+            self.process.on_step(seconds, cuda_graph)
+        self.requests.on_step(num_running, num_waiting, num_tokens, num_preempted)
+        self.kv.on_pages_used(pages_used)
+
 
 def exposition() -> tuple[bytes, str]:
     """The text exposition of every family and its content type, for the /metrics route."""
