@@ -102,10 +102,11 @@ def measure_perplexity(
     from server.runtime.engine import RequestRejected
     from server.runtime.sequence import SamplingParams
 
-    if ctx > engine.max_model_len:
+    # A request must also generate one token, so a window may use all but one position.
+    if ctx > engine.max_model_len - 1:
         raise PerplexityError(
-            f"--ctx {ctx} is above the model's context of {engine.max_model_len} tokens; "
-            f"use --ctx {engine.max_model_len} or less"
+            f"--ctx {ctx} is above the context the engine serves ({engine.max_model_len} tokens, one of them kept "
+            f"for the generated token); use --ctx {engine.max_model_len - 1} or less"
         )
     token_ids = engine.tokenizer.encode(text)
     bos = engine.tokenizer.bos_token_id
