@@ -100,6 +100,7 @@ class ToyLoaded:
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     name: str = "toy"
     path: str = "<random weights>"
+    raw_weights: dict = field(default_factory=dict)  # LoadedModel's raw file blocks: none here
 
 
 def toy_loaded(seed: int = 0) -> ToyLoaded:
