@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -18,9 +19,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from server.config import EngineConfig
-from server.kernels import backend
+from server.kernels import backend, timing
+from server.metrics import EngineMetrics
 from server.runtime.detokenizer import IncrementalDetokenizer
-from server.runtime.kv_cache import KVCache, KVLayout, default_budget_bytes, resolve_kv_kinds
+from server.runtime.kv_cache import (
+    KVCache, KVLayout, bits_per_value, bytes_per_token, default_budget_bytes, resolve_kv_kinds,
+)  # fmt: skip
 from server.runtime.model_runner import ChunkResult, ModelRunner
 from server.runtime.scheduler import ScheduledChunk, Scheduler
 from server.runtime.sequence import SamplingParams, Sequence, TokenLogprob
@@ -114,11 +118,30 @@ class Engine:
         self._requests: dict[str, Sequence] = {}  # live requests, submit() until finished
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.metrics = EngineMetrics(self.model_name)
+        self._report_setup(loaded, layout)
+        timing.set_sample_rate(config.kernel_timing_sample_rate)
         log.info(
             "loaded %s (%s) on %s as %s; %s; %s; max_model_len %d",
             self.model_name, loaded.path, self.device, dtype, backend.describe(self.device),
             self.kv_cache.describe(), self.max_model_len,
         )  # fmt: skip
+
+    def _report_setup(self, loaded: LoadedModel, layout: KVLayout) -> None:
+        kv = self.kv_cache
+        self.metrics.kv.on_pool(
+            num_pages=kv.num_pages, page_size=kv.page_size, bytes_per_token=kv.bytes_per_token,
+            k_dtype=kv.k_kind, v_dtype=kv.v_kind, k_bits=bits_per_value(kv.k_kind), v_bits=bits_per_value(kv.v_kind),
+            bf16_bytes_per_token=bytes_per_token(layout, "bf16", "bf16"),
+        )  # fmt: skip
+        in_memory = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
+        in_file = {raw.ggml_type.name for raw in loaded.raw_weights.values()}
+        self.metrics.process.on_start(
+            device=str(self.device), kv_cache_dtype_k=kv.k_kind, kv_cache_dtype_v=kv.v_kind,
+            weight_formats=",".join(sorted(in_memory | in_file)), kernels=backend.describe(self.device),
+        )  # fmt: skip
+        self.metrics.process.watch_engine(self.is_alive)
+        self.metrics.process.on_cuda_graphs(len(self.runner.graphs.graphs) if self.runner.graphs else 0)
 
     def _resolve_max_model_len(self, asked: int | None) -> int:
         limit = self.model_config.max_position_embeddings
@@ -151,9 +174,20 @@ class Engine:
         params: SamplingParams,
         on_output: Callable[[RequestOutput], None],
     ) -> None:
+        try:
+            self._admit(request_id, prompt_token_ids, params, on_output)
+        except RequestRejected:
+            self.metrics.requests.on_failure("bad_request")
+            raise
+        except EngineOverloaded:
+            self.metrics.requests.on_failure("overloaded")
+            raise
+
+    def _admit(self, request_id, prompt_token_ids, params, on_output) -> None:
         self._validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, prompt_token_ids, params, _int64_seed(seed), on_output)
+        seq.timeline = self.metrics.requests.timeline()
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output
         )
@@ -260,9 +294,21 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> None:
+        timing.begin_step()
+        started, preemptions = time.monotonic(), self.scheduler.num_preemptions
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return
+        for chunk in chunks:
+            chunk.seq.timeline.on_scheduled(started)
+        if chunks:
+            self._run(chunks)
+        self.metrics.on_step(
+            seconds=time.monotonic() - started, cuda_graph=self.runner.used_cuda_graph,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_tokens=sum(c.num_tokens for c in chunks), num_preempted=self.scheduler.num_preemptions - preemptions,
+            pages_used=self.kv_cache.num_used_pages,
+        )  # fmt: skip
+
+    def _run(self, chunks: list[ScheduledChunk]) -> None:
         try:
             results: list[ChunkResult | Exception] = list(self.runner.execute(chunks))
         except Exception as exc:
@@ -295,6 +341,7 @@ class Engine:
             return
         token = result.token
         seq.append_token(token)
+        seq.timeline.on_tokens(1, seq.num_prompt_tokens)
         if result.logprob is not None:
             seq.logprobs.append(result.logprob)
         detok = seq.detokenizer
@@ -316,6 +363,9 @@ class Engine:
         """Free the pages at once, then send the final output."""
         if seq.is_finished:
             return
+        if seq.block_table:
+            self.metrics.kv.on_request_freed(len(seq.block_table))
+        seq.timeline.on_finished(reason)
         self.scheduler.remove(seq)
         seq.finish_reason, seq.error = reason, error
         with self._cond:

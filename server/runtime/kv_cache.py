@@ -75,6 +75,13 @@ def bytes_per_token(layout: KVLayout, k_kind: str, v_kind: str) -> int:
     return layout.num_layers * one
 
 
+def bits_per_value(kind: str) -> float:
+    """Storage bits of one cached K or V element (turbo kinds include their norms)."""
+    if kind in DENSE_KV_DTYPES:
+        return float(torch.finfo(DENSE_KV_DTYPES[kind]).bits)
+    return float(_turbo_store_class().bits_per_value(kind))
+
+
 def default_budget_bytes(device: torch.device) -> int:
     """Bytes for the pool when --kv-cache-memory is not given. Call after the weights are loaded."""
     if device.type == "cuda":

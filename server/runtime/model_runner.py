@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.timing import timed
 from server.runtime.cuda_graphs import maybe_capture_decode_graphs
 from server.runtime.kv_cache import KVCache
 from server.runtime.sampler import SamplingTensors, sample, token_logprobs
@@ -60,6 +61,7 @@ class ModelRunner:
         self.graphs = maybe_capture_decode_graphs(
             model, kv_cache.stores, max_graph_batch, self.max_pages_per_seq, max_model_len, device
         )
+        self.used_cuda_graph = False  # whether the last forward replayed a graph (engine metrics)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         ids: list[int] = []
@@ -101,7 +103,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model call; decode-only steps (inputs.meta.is_decode_only) are what CUDA graphs replay."""
-        if self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta):
+        self.used_cuda_graph = self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta)
+        if self.used_cuda_graph:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
 
@@ -112,7 +115,8 @@ class ModelRunner:
         results = [ChunkResult() for _ in chunks]
         if not inputs.logit_rows:
             return results
-        logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
+        with timed("lm_head", self.device):
+            logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
         row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
         starts = inputs.row_starts
 
@@ -121,7 +125,8 @@ class ModelRunner:
             last_rows = torch.tensor([row_of[starts[i] + chunks[i].num_tokens - 1] for i in sampling], device=self.device)
             sample_logits = logits[last_rows]
             seqs = [chunks[i].seq for i in sampling]
-            tokens = sample(sample_logits, SamplingTensors.from_sequences(seqs, logits.shape[1], self.device))
+            with timed("sampling", self.device):
+                tokens = sample(sample_logits, SamplingTensors.from_sequences(seqs, logits.shape[1], self.device))
             logprobs = token_logprobs(sample_logits, tokens, [s.params.logprobs for s in seqs])
             for i, token, logprob in zip(sampling, tokens.tolist(), logprobs):
                 results[i].token, results[i].logprob = token, logprob

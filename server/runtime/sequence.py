@@ -95,6 +95,7 @@ class Sequence:
         self.prompt_logprobs: list[float | None] | None = [None] if params.prompt_logprobs else None
         self.prompt_logprobs_sent = False
         self.detokenizer = None  # set by the engine (it owns the tokenizer)
+        self.timeline = None  # server.metrics RequestTimeline, set by the engine
 
     @property
     def num_prompt_tokens(self) -> int:
