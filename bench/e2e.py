@@ -1,0 +1,330 @@
+"""End-to-end engine throughput on random-weight models: `python bench/e2e.py`.
+
+Runs the real Engine (scheduler, paged KV, Triton attention, CUDA graphs, sampler) through its
+public submit/on_output API on models built from a ModelConfig with random bf16 weights, so no
+checkpoint, tokenizer file, gguf or fastapi is needed. Per shape it measures:
+- decode tokens/s at each batch size: B greedy requests of a random prompt, timed from the step
+  that sampled every request's first token to the last finish, so prefill is not counted;
+- prefill tokens/s of one prompt of --prefill-len tokens (one engine step, max_tokens=1);
+- at batch 1, the weight-streaming limit: weight bytes read per decode step over the measured
+  copy bandwidth, and which fraction of it we reach;
+- with --transformers, transformers' generate() with its compiled static cache on the same shape,
+  timed the same way (compile time excluded by a warm-up run).
+--context-depth adds decode at long contexts (and per --kv-cache-dtype, e.g. bf16,turbo4,turbo3)
+on the shape the TurboQuant issue names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+# Run as a script from anywhere: make `bench.*` and `server.*` importable from the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import BENCHMARKS_DOC, copy_bandwidth_gbs, environment_line  # noqa: E402
+from server.config import EngineConfig  # noqa: E402
+from server.runtime.engine import Engine  # noqa: E402
+from server.runtime.models.config import ModelConfig  # noqa: E402
+from server.runtime.models.llama import CausalLM  # noqa: E402
+from server.runtime.sequence import SamplingParams  # noqa: E402
+
+SECTION = "## End to end"
+
+
+def _shape(name, hidden, layers, heads, kv_heads, ffn, vocab, tied, theta=500000.0, max_pos=131072):
+    return name, ModelConfig(
+        architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads, rms_norm_eps=1e-5, rope_theta=theta,
+        rope_scaling=None, max_position_embeddings=max_pos, tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+SHAPES = dict(
+    [
+        _shape("smollm2-135m", 576, 30, 9, 3, 1536, 49152, tied=True, theta=100000.0, max_pos=8192),
+        _shape("llama3-8b", 4096, 32, 32, 8, 14336, 128256, tied=False, max_pos=8192),
+        _shape("depth-2048", 2048, 24, 16, 8, 6144, 32000, tied=False),  # the TurboQuant issue's long-context shape
+        _shape("tiny", 64, 2, 4, 2, 128, 512, tied=False, max_pos=4096),  # CPU smoke test of this script
+    ]
+)
+# transformers generate(), compiled static cache, H200, 128-token prompt + 128 new tokens, measured
+# 2026-11-29 (issue 2); shown when --transformers is not given, labelled as quoted.
+QUOTED_TRANSFORMERS = {("smollm2-135m", 1): 408, ("smollm2-135m", 32): 7388, ("llama3-8b", 1): 137, ("llama3-8b", 32): 3155}
+
+
+class NullTokenizer:
+    """Engines need a tokenizer for stop strings; benches send token ids and read token ids."""
+
+    eos_token_ids = frozenset()
+    bos_token_id = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError("the benchmark tokenizer has no vocabulary; submit token ids")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+@dataclasses.dataclass
+class RandomModel:
+    """What Engine(config, loaded=...) reads of a loaded model."""
+
+    model: torch.nn.Module
+    tokenizer: NullTokenizer
+    config: ModelConfig
+    name: str
+    path: str = "<random weights>"
+    raw_weights: dict = dataclasses.field(default_factory=dict)  # no quantized file behind random weights
+
+
+def build_random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> RandomModel:
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the compute dtype: an 8B model in float32 would need 32 GB first
+    try:
+        with torch.device(device), torch.no_grad():
+            model = CausalLM(cfg)
+            for name, p in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.02)  # keeps activations finite through the random stack
+    finally:
+        torch.set_default_dtype(previous)
+    return RandomModel(model.eval(), NullTokenizer(cfg.vocab_size), cfg, "random-" + str(cfg.hidden_size))
+
+
+def weight_bytes_per_decode_step(model: torch.nn.Module, cfg: ModelConfig) -> int:
+    """Every parameter is read once per step, except an untied input embedding (one row per token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Submit all prompts at once; wall times of each request's first token and of its finish."""
+    first: dict[str, float] = {}
+    finish: dict[str, float] = {}
+    errors: list[str] = []
+    done = threading.Event()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def on_output(out) -> None:
+        now = time.perf_counter()
+        if out.token_ids and out.request_id not in first:
+            first[out.request_id] = now
+        if out.finished:
+            if out.finish_reason != "length":
+                errors.append(f"{out.request_id}: {out.finish_reason} {out.error}")
+            finish[out.request_id] = now
+            if len(finish) == len(prompts):
+                done.set()
+
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.submit(f"bench-{i}-{time.monotonic_ns()}", prompt, params, on_output)
+    if not done.wait(timeout=600):
+        raise RuntimeError(f"benchmark requests did not finish in 600 s ({len(finish)}/{len(prompts)} done)")
+    if errors:
+        raise RuntimeError("benchmark requests failed: " + "; ".join(errors[:3]))
+    return {"start": start, "first": max(first.values()), "end": max(finish.values())}
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def make_engine(loaded: RandomModel, max_seqs: int, tokens_per_seq: int, max_model_len: int,
+                kv_cache_dtype: str, budget_tokens: int, chunk: int) -> Engine:
+    cfg = loaded.config
+    layer_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K+V per token per layer at f32: an upper bound
+    config = EngineConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=chunk,
+        max_model_len=max_model_len,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=cfg.num_layers * layer_bytes * (budget_tokens + 64 * max_seqs),
+        kernel_timing_sample_rate=0.0,
+    )
+    engine = Engine(config, loaded=loaded)
+    engine.start()
+    return engine
+
+
+def decode_tokens_per_s(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    run_requests(engine, random_prompts(batch, prompt_len, vocab, seed=1), 4)  # warm-up: compiles, graph sizes
+    t = run_requests(engine, random_prompts(batch, prompt_len, vocab, seed=2), new_tokens)
+    return batch * (new_tokens - 1) / (t["end"] - t["first"])
+
+
+def prefill_tokens_per_s(engine: Engine, length: int, vocab: int) -> float:
+    run_requests(engine, random_prompts(1, length, vocab, seed=3), 1)
+    times = []
+    for seed in (4, 5, 6):
+        t = run_requests(engine, random_prompts(1, length, vocab, seed=seed), 1)
+        times.append(t["end"] - t["start"])
+    return length / sorted(times)[1]
+
+
+def transformers_tokens_per_s(cfg: ModelConfig, device: torch.device, batch: int, prompt_len: int,
+                              new_tokens: int, compile: bool) -> dict[str, float]:
+    """transformers generate() with a static cache (compiled on CUDA), timed like our engine."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16).eval()
+    if compile:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+
+    def generate(n: int) -> float:
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                       pad_token_id=0)  # fmt: skip
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        return time.perf_counter() - t0
+
+    generate(new_tokens)  # warm-up: compilation and CUDA-graph recording are not counted
+    generate(2)
+    full, one = generate(new_tokens), generate(1)
+    del model
+    return {"decode": batch * (new_tokens - 1) / (full - one)}
+
+
+def bench_shape(name: str, args, device: torch.device, copy_gbs: float, lines: list[str]) -> None:
+    cfg = SHAPES[name]
+    loaded = build_random_model(cfg, device, args.dtype)
+    weight_bytes = weight_bytes_per_decode_step(loaded.model, cfg)
+    max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1)
+    engine = make_engine(loaded, max(args.batch_sizes), max_len, cfg.max_position_embeddings, "auto",
+                         max(args.batch_sizes) * max_len, args.prefill_len)  # fmt: skip
+    try:
+        for batch in args.batch_sizes:
+            ours = decode_tokens_per_s(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size)
+            row = f"| {name} | decode b{batch} | {ours:,.0f} tok/s"
+            if args.transformers:
+                hf = transformers_tokens_per_s(cfg, device, batch, args.prompt_len, args.new_tokens,
+                                               compile=device.type == "cuda")["decode"]  # fmt: skip
+                row += f" | {hf:,.0f} (measured here) | {ours / hf:.2f}x"
+            elif (name, batch) in QUOTED_TRANSFORMERS:
+                hf = QUOTED_TRANSFORMERS[(name, batch)]
+                row += f" | {hf:,} (quoted, issue 2) | {ours / hf:.2f}x"
+            else:
+                row += " | - | -"
+            if batch == 1:
+                limit = copy_gbs * 1e9 / weight_bytes
+                row += f" | {weight_bytes / 1e9:.2f} GB/step, limit {limit:,.0f} tok/s, ours {ours / limit:.0%}"
+            lines.append(row + (" |" if batch == 1 else " | |"))
+            print(lines[-1], flush=True)
+        prefill = prefill_tokens_per_s(engine, args.prefill_len, cfg.vocab_size)
+        lines.append(f"| {name} | prefill {args.prefill_len} | {prefill:,.0f} tok/s | - | - | |")
+        print(lines[-1], flush=True)
+    finally:
+        engine.shutdown()
+        del engine, loaded
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+
+
+def bench_depths(args, device: torch.device, lines: list[str]) -> None:
+    """Decode tok/s at batch 1 after a prompt of each depth, per KV cache dtype (TurboQuant issue)."""
+    name = "depth-2048" if device.type == "cuda" else "tiny"
+    cfg = SHAPES[name]
+    loaded = build_random_model(cfg, device, args.dtype)
+    new = 32
+    for kv_dtype in args.kv_cache_dtype:
+        for depth in args.context_depth:
+            prompt = max(depth, 1)
+            try:
+                engine = make_engine(loaded, 1, prompt + new, prompt + new + 1, kv_dtype, prompt + new + 16, 8192)
+            except Exception as exc:  # e.g. the turbo store is not in this checkout yet
+                lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}) | unavailable: {exc} | | | |")
+                print(lines[-1], flush=True)
+                break
+            try:
+                ours = decode_tokens_per_s(engine, 1, prompt, new, cfg.vocab_size)
+                lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}) | {ours:,.0f} tok/s | - | - | |")
+                print(lines[-1], flush=True)
+            finally:
+                engine.shutdown()
+                del engine
+                gc.collect()
+
+
+def record(block: str, doc: Path) -> None:
+    """Put the dated block first under the "End to end" section (created at the end when missing)."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if SECTION in text:
+        head, tail = text.split(SECTION, 1)
+        text = head + SECTION + "\n\n" + block + "\n" + tail.lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + SECTION + "\n\n" + block
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="smollm2-135m,llama3-8b", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--batch-sizes", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--transformers", action="store_true", help="also time transformers generate() here")
+    p.add_argument("--context-depth", default="", type=lambda s: [int(x) for x in s.split(",") if x],
+                   help="e.g. 0,16384,65536: decode at these depths on the depth-2048 shape")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--doc", type=Path, default=BENCHMARKS_DOC, help="markdown file to record into")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 30 if device.type == "cuda" else 1 << 24)
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    lines = [
+        "| shape | case | turboserve | transformers generate (static cache, compiled) | ratio | weight streaming |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for name in [s for s in args.shapes.split(",") if s]:
+        bench_shape(name, args, device, copy_gbs, lines)
+    if args.context_depth:
+        bench_depths(args, device, lines)
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    block = (
+        f"### Engine throughput, random {str(args.dtype).removeprefix('torch.')} weights ({now})\n\n"
+        f"- Command: `{command}`\n"
+        f"- Hardware: {environment_line(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n"
+        f"- Decode: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, timed after every first "
+        f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy bandwidth.\n\n"
+        + "\n".join(lines) + "\n"
+    )  # fmt: skip
+    print(block)
+    if not args.no_record:
+        record(block, args.doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
