@@ -17,6 +17,7 @@ from server.api.serving import ServingContext
 from server.config import ServerConfig
 from server.metrics import exposition
 from server.metrics.process import package_version
+from server.metrics.requests import RequestMetrics
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -53,16 +54,26 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
                          system_fingerprint=f"turboserve-{version}")
     app = FastAPI(title="turboserve", version=version)
     install_error_handlers(app)
+    request_metrics = RequestMetrics(ctx.model_name)
+
+    async def read_request(request: Request, model: type[Body]) -> Body:
+        try:
+            return parse_body(model, await read_body(request, ctx.max_body_bytes))
+        except ApiError:
+            # Refused before reaching the engine (which counts its own refusals at submit).
+            request_metrics.on_failure("bad_request")
+            raise
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key(config.api_key))])
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(ChatCompletionRequest, await read_body(request, ctx.max_body_bytes))
+        body = await read_request(request, ChatCompletionRequest)
         return await create_chat_completion(ctx, request, body)
 
     @v1.post("/completions")
     async def completions(request: Request):
-        body = parse_body(CompletionRequest, await read_body(request, ctx.max_body_bytes))
+        body = await read_request(request, CompletionRequest)
         return await create_completion(ctx, request, body)
 
     @v1.get("/models")
