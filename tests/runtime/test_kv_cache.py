@@ -1,0 +1,86 @@
+"""The KV page pool: capacity from bytes, page accounting, storage dtype selection."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from server.config import EngineConfig
+from server.kernels.paged_kv import DenseKVStore
+from server.runtime.kv_cache import KVCache, KVLayout, default_budget_bytes, resolve_kv_kinds
+from server.runtime.sequence import SamplingParams, Sequence
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64)
+CPU = torch.device("cpu")
+
+
+def pool(budget: int, kind: str = "f16", page_size: int = 16, v_kind: str | None = None) -> KVCache:
+    return KVCache(LAYOUT, kind, v_kind or kind, budget, page_size, CPU, torch.float32)
+
+
+def test_page_count_follows_the_byte_budget():
+    # f16: 3 layers * (K + V) * 2 heads * 64 dims * 2 bytes = 1536 bytes per token; 16-token pages.
+    kv = pool(100_000)
+    assert kv.bytes_per_token == 1536 and kv.bytes_per_page == 24_576
+    assert kv.num_pages == 4 and kv.tokens_that_fit == 64 and kv.bytes_total == 98_304
+    assert len(kv.stores) == 3 and all(isinstance(s, DenseKVStore) for s in kv.stores)
+    assert kv.stores[0].k_pages.shape == (4, 16, 2, 64) and kv.stores[0].k_pages.dtype == torch.float16
+
+
+def test_block_tables_grow_by_pages_and_free_returns_them():
+    kv = pool(10 * 24_576)
+    a, b = (Sequence(r, [1], SamplingParams(), seed=0) for r in "ab")
+    kv.grow(a, 1)
+    assert len(a.block_table) == 1
+    kv.grow(a, 16)
+    assert len(a.block_table) == 1
+    kv.grow(a, 17)
+    assert len(a.block_table) == 2
+    kv.grow(b, 8 * 16)
+    assert kv.num_used_pages == 10 and kv.num_free_pages == 0 and kv.bytes_used == kv.bytes_total
+    assert not set(a.block_table) & set(b.block_table)
+    assert not kv.can_grow(a, 33) and kv.can_grow(a, 32)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        kv.grow(a, 33)
+    assert kv.slot(b, 17) == b.block_table[1] * 16 + 1
+    kv.free(b)
+    assert b.block_table == [] and kv.num_free_pages == 8
+
+
+def test_a_budget_below_one_page_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="raise --kv-cache-memory"):
+        pool(24_575)
+
+
+def test_kv_dtype_resolution():
+    config = EngineConfig()
+    assert resolve_kv_kinds(config, torch.bfloat16) == ("bf16", "bf16")
+    assert resolve_kv_kinds(config, torch.float32) == ("f32", "f32")
+    assert resolve_kv_kinds(dataclasses.replace(config, kv_cache_dtype="f16"), torch.float32) == ("f16", "f16")
+    mixed = dataclasses.replace(config, kv_cache_dtype="turbo3", kv_cache_dtype_k="turbo4")
+    assert resolve_kv_kinds(mixed, torch.bfloat16) == ("turbo4", "turbo3")
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        resolve_kv_kinds(dataclasses.replace(config, kv_cache_dtype_v="turbo3"), torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        resolve_kv_kinds(dataclasses.replace(config, kv_cache_dtype_k="f16"), torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
+        resolve_kv_kinds(dataclasses.replace(config, kv_cache_dtype="fp8"), torch.bfloat16)
+
+
+def test_turbo_pool_holds_more_tokens_in_the_same_bytes():
+    from server.kernels.turbo.store import TurboKVStore
+
+    budget = 64 << 20
+    d128 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=128)  # the spec's bit table assumes 128-value norms
+    bf16, turbo3 = (KVCache(d128, kind, kind, budget, 16, CPU, torch.float32) for kind in ("bf16", "turbo3"))
+    assert all(isinstance(s, TurboKVStore) for s in turbo3.stores)
+    expected_ratio = 16 / TurboKVStore.bits_per_value("turbo3")  # same bytes, fewer bits per value
+    assert turbo3.tokens_that_fit / bf16.tokens_that_fit == pytest.approx(expected_ratio, rel=0.01)
+    mixed = pool(budget, "turbo4", v_kind="turbo2")
+    assert (mixed.stores[0].k_kind, mixed.stores[0].v_kind) == ("turbo4", "turbo2")
+
+
+def test_default_cpu_budget_is_modest():
+    assert 0 < default_budget_bytes(CPU) <= 1 << 30
