@@ -1,0 +1,112 @@
+"""Dispatch of the quantized MoE MLP: Triton on GPU, the float32 reference elsewhere.
+
+`fused_moe(x, topk_weights, topk_ids, gate_up, down)` is the op (moe_reference.py defines
+it); `QuantizedExperts` wraps it as the module the models call: `experts(x, w, ids) -> y`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+
+from server.kernels.backend import use_triton
+from server.kernels.experts import e8p
+from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
+from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
+from server.kernels.experts.routing import ExpertBlocks, align_pairs
+from server.kernels.experts.weights import ExpertWeights
+from server.kernels.timing import timed
+
+log = logging.getLogger(__name__)
+DECODE_BLOCK_M = 16  # pairs per block when experts see a few tokens (tl.dot's smallest M)
+PREFILL_BLOCK_M = 64
+_FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return e8p.abs_table_packed().to(device), e8p.residual_table_packed().to(device)
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
+
+
+def fused_moe(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights) -> torch.Tensor:
+    """x [T, D], topk_weights/topk_ids [T, top_k] -> y [T, D] in x's dtype."""
+    check_moe_args(x, topk_weights, topk_ids, gate_up, down)
+    if use_triton(x):
+        if x.dtype in _FAST_DTYPES:
+            return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down)
+        _say_once(f"quantized experts: no Triton body for activations of dtype {x.dtype}; using the reference")
+    return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down)
+
+
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
+    """Decode shape while the average expert sees at most one block of pairs."""
+    return DECODE_BLOCK_M if num_pairs <= DECODE_BLOCK_M * num_experts else PREFILL_BLOCK_M
+
+
+def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights,
+                     block_m: int | None = None) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    num_e, two_i, d = gate_up.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    blocks = align_pairs(topk_ids, num_e, block_m or choose_block_m(num_pairs, num_e))
+    xr = gate_up.rotate_input(x).contiguous()
+    h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
+    launch_expert_gemm(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
+    hr = down.rotate_input(h).contiguous()
+    y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
+    routing = topk_weights.reshape(-1).float().contiguous()
+    launch_expert_gemm(hr, y_pairs, blocks, down, routing=routing)
+    # The top-k slots of a token are summed here, in slot order: no atomics, same bits every run.
+    return y_pairs.view(num_tokens, top_k, d).sum(1).to(x.dtype)
+
+
+def launch_expert_gemm(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, w: ExpertWeights,
+                       dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """out[p, :N] for every pair p: rows of w (gate·up epilogue when ``dual``, × routing[p] when given)."""
+    num_e, rows, k = w.shape
+    n = rows // 2 if dual else rows
+    fmt = w.format
+    t = w.tensors
+    main = t["weight"] if fmt == "bf16" else t["codes"]
+    aux = t.get("residual", t.get("d", main))
+    scale = t.get("scale", main)
+    block_n, block_k, warps, stages = _tile_shape(fmt, blocks.block_m, n, k, num_e, blocks.num_pairs)
+    table, rtable = _tables(a.device)
+    grid = (blocks.num_blocks, triton.cdiv(n, block_n))
+    name = f"experts_{fmt}_{'gate_up' if dual else 'down'}_{'decode' if blocks.block_m == DECODE_BLOCK_M else 'prefill'}"
+    with timed(name, a.device):
+        _expert_gemm[grid](
+            a, out, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out,
+            main, aux, scale, table, rtable,
+            n, k, blocks.num_pairs, a.stride(0), out.stride(0),
+            main.stride(0), main.stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
+            scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
+            FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
+            BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
+            num_warps=warps, num_stages=stages,
+        )
+
+
+def _tile_shape(fmt: str, block_m: int, n: int, k: int, num_e: int, num_pairs: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages). q formats take one GGUF block per K step."""
+    if fmt in ("q1_0", "q2_0"):
+        block_k = K_UNIT[fmt]
+    else:
+        block_k = 128 if block_m == DECODE_BLOCK_M else 64
+        block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+    block_n = 64
+    # Decode: enough programs in flight to stream the weights (few experts x few row blocks starve the GPU).
+    busy_experts = min(num_e, num_pairs)
+    if block_m == DECODE_BLOCK_M and busy_experts * triton.cdiv(n, block_n) < 512:
+        block_n = 32
+    return block_n, block_k, 4, 3
