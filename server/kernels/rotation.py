@@ -56,7 +56,8 @@ def sign_bits(words: SignWords, group: int, device: torch.device | str = "cpu") 
     return ((w[e >> 5] >> (e & 31)) & 1).to(torch.int32).to(device)
 
 
-def _sign_words_tensor(words: SignWords, device: torch.device) -> torch.Tensor:
+def sign_words_tensor(words: SignWords, device: torch.device | str) -> torch.Tensor:
+    """The packed words as an int32 tensor for kernels (two's complement view of the unsigned words)."""
     # int32 view of the unsigned words (two's complement), so kernels can shift them.
     vals = [int(x) & 0xFFFFFFFF for x in words]
     return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in vals], dtype=torch.int32, device=device)
@@ -89,12 +90,12 @@ def rotate_reference(
     first, second = (signs[1], signs[0]) if inverse else (signs[0], signs[1])
     g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
     g = flip_signs(g.contiguous(), sign_bits(first, group, x.device))
-    g = fwht_reference(g) * _inv_sqrt(group)
+    g = fwht_reference(g) * inv_sqrt_group(group)
     g = flip_signs(g.contiguous(), sign_bits(second, group, x.device))
     return g.reshape(x.shape)
 
 
-def _inv_sqrt(group: int) -> float:
+def inv_sqrt_group(group: int) -> float:
     # The same float32 constant in the reference and in the kernels keeps them bit-identical.
     return float(torch.tensor(1.0 / math.sqrt(group), dtype=torch.float32))
 
@@ -165,8 +166,8 @@ def rotate_triton(
     if n_rows:
         with timed("rotation", x.device):
             _rotate_kernel[(triton.cdiv(n_rows, rows),)](
-                src, out, _sign_words_tensor(first, x.device), _sign_words_tensor(second, x.device),
-                n_rows, _inv_sqrt(group), ROWS=rows, GROUP=group, LOG2_GROUP=group.bit_length() - 1,
+                src, out, sign_words_tensor(first, x.device), sign_words_tensor(second, x.device),
+                n_rows, inv_sqrt_group(group), ROWS=rows, GROUP=group, LOG2_GROUP=group.bit_length() - 1,
             )
     return out
 

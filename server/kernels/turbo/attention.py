@@ -1,0 +1,201 @@
+"""Attention over turbo pages: a fused decode kernel (flash-decoding) and a decode-then-attend path.
+
+Decode (every sequence has one new query), specs/turboquant.md "Decoding":
+  * grid (sequence, KV head, context split): all query heads of a KV head live in one
+    program, so GQA shares a single read of the pages;
+  * Q is rotated once in the program (and pre-scaled by softmax scale * log2 e);
+    scores = norm_k * <R q, c[idx_k]>; V is accumulated in the rotated domain as
+    sum_j p_j * norm_v * c[idx_v] with an online softmax;
+  * a second small kernel merges the splits (log-sum-exp) and applies the one inverse
+    rotation per output.
+
+Everything else (prefill, chunked prefill, mixed batches, CPU) decodes the pages that the
+batch references to float and runs ``paged_attention_reference``: correct for any chunk
+boundary, not fused (yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
+from server.kernels.rotation import rotate, rotate_rows
+from server.kernels.timing import timed
+from server.kernels.turbo.codes import centroid_of, load_indices
+from server.kernels.turbo.format import dequantize_rotated, group_size
+from server.kernels.turbo.quantize import TurboPages
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # tokens per inner step: four 16-token pages
+PROGRAMS_PER_SM = 4  # enough programs in flight to hide memory latency
+
+
+@triton.jit
+def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
+                   k_codes, k_norms, k_cent, v_codes, v_norms, v_cent, first_ptr, second_ptr, inv_sqrt,
+                   qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
+                   H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
+                   V_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    NG: tl.constexpr = D // G
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, GQA_PAD)
+    heads = kv_head * GQA + g
+    q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+    q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :],
+                mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
+    q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
+    q = tl.reshape(q, (GQA_PAD, D)) * qk_scale
+
+    m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GQA_PAD,), tl.float32)
+    acc = tl.zeros((GQA_PAD, D), tl.float32)
+    for t0 in range(start, end, BLOCK):
+        tok = t0 + tl.arange(0, BLOCK)
+        valid = tok < end
+        page = tl.load(tables_ptr + seq * tables_stride + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
+        norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
+
+        k_idx = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS)
+        k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        k = tl.reshape(tl.reshape(centroid_of(k_idx, k_cent, K_BITS), (BLOCK, NG, G)) * k_norm[:, :, None], (BLOCK, D))
+        scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+
+        v_idx = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS)
+        v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.reshape(tl.reshape(centroid_of(v_idx, v_cent, V_BITS), (BLOCK, NG, G)) * v_norm[:, :, None], (BLOCK, D))
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m = m_new
+
+    part = (seq * (H_KV * GQA) + heads) * num_splits + split
+    tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
+    tl.store(part_m_ptr + part, m, mask=g < GQA)
+    tl.store(part_l_ptr + part, l, mask=g < GQA)
+
+
+@triton.jit
+def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                  num_splits, first_ptr, second_ptr, inv_sqrt,
+                  H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
+    NG: tl.constexpr = D // G
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, GQA_PAD)
+    heads = kv_head * GQA + g
+    part0 = (seq * (H_KV * GQA) + heads) * num_splits
+    sp = tl.arange(0, SPLITS_PAD)
+    present = (g < GQA)[:, None] & (sp < num_splits)[None, :]
+    m_all = tl.load(part_m_ptr + part0[:, None] + sp[None, :], mask=present, other=float("-inf"))
+    m_max = tl.max(m_all, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded heads: keep the math finite
+
+    out = tl.zeros((GQA_PAD, D), tl.float32)
+    denom = tl.zeros((GQA_PAD,), tl.float32)
+    for i in range(num_splits):
+        m_i = tl.load(part_m_ptr + part0 + i, mask=g < GQA, other=float("-inf"))
+        w = tl.exp2(m_i - m_max)  # an empty split has m = -inf and weighs nothing
+        denom += w * tl.load(part_l_ptr + part0 + i, mask=g < GQA, other=0.0)
+        acc = tl.load(part_acc_ptr + (part0 + i)[:, None] * D + tl.arange(0, D)[None, :],
+                      mask=(g < GQA)[:, None], other=0.0)
+        out += w[:, None] * acc
+    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    # Back from the rotated domain: the inverse swaps the sign tables (rotation.py).
+    out = rotate_rows(tl.reshape(out, (GQA_PAD * NG, G)), second_ptr, first_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
+    q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + q_row * out_stride_t + heads[:, None] * out_stride_h + tl.arange(0, D)[None, :],
+             tl.reshape(out, (GQA_PAD, D)).to(out_ptr.dtype.element_ty), mask=(g < GQA)[:, None])
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split long contexts until there are about PROGRAMS_PER_SM programs per SM (flash-decoding)."""
+    blocks = max(1, triton.cdiv(max_seq_len, BLOCK_N))
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, num_seqs * kv_heads))
+    return max(1, min(blocks, wanted))
+
+
+def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
+                            scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
+                            num_splits: int | None = None) -> torch.Tensor:
+    """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype."""
+    num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
+    kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
+    gqa = q_heads // kv_heads
+    group = group_size(head_dim)
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device)
+    blocks = max(1, triton.cdiv(meta.max_seq_len, BLOCK_N))
+    chunk = triton.cdiv(blocks, num_splits) * BLOCK_N
+    num_splits = max(1, triton.cdiv(meta.max_seq_len, chunk))
+    part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs at least 16 rows
+    shape = dict(H_KV=kv_heads, GQA=gqa, GQA_PAD=gqa_pad, D=head_dim, G=group, LOG2_G=group.bit_length() - 1)
+    with timed("turbo_decode_attention", q.device):
+        _decode_kernel[(num_seqs, kv_heads, num_splits)](
+            q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.centroids,
+            v_pages.codes, v_pages.norms, v_pages.centroids, signs[0], signs[1], inv_sqrt,
+            scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
+            PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=BLOCK_N, **shape,
+        )
+        _merge_kernel[(num_seqs, kv_heads)](
+            out, out.stride(0), out.stride(1), meta.query_start_loc, part_acc, part_m, part_l, num_splits,
+            signs[0], signs[1], inv_sqrt, SPLITS_PAD=triton.next_power_of_2(num_splits), **shape,
+        )
+    return out
+
+
+def decoded_pages(pages: TurboPages, kind: str, page_ids: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The listed pages in the original domain: [len(page_ids), page_size, kv_heads, D] in ``dtype``."""
+    rotated = dequantize_rotated(pages.codes[page_ids], pages.norms[page_ids], kind, head_dim)
+    return rotate(rotated, group_size(head_dim), inverse=True).to(dtype).transpose(1, 2)
+
+
+def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, k_kind: str,
+                                 v_kind: str, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend."""
+    page_size = k_pages.codes.shape[2]
+    used = [meta.block_tables[s, : -(-n // page_size)] for s, n in enumerate(meta.seq_lens_cpu)]
+    used = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=q.device)
+    page_ids, compact = torch.unique(used, return_inverse=True)
+    tables = torch.zeros_like(meta.block_tables)
+    offset = 0
+    for s, n in enumerate(meta.seq_lens_cpu):
+        n_pages = -(-n // page_size)
+        tables[s, :n_pages] = compact[offset : offset + n_pages].to(tables.dtype)
+        offset += n_pages
+    head_dim = q.shape[-1]
+    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    k = decoded_pages(k_pages, k_kind, page_ids, head_dim, dtype)
+    v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
+    compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
+                                     meta.seq_lens_cpu, meta.query_lens_cpu)
+    return paged_attention_reference(q, k, v, compact_meta, scale)
+

@@ -1,0 +1,142 @@
+"""The turbo2/3/4 storage format: reference quantize/dequantize and the byte layout.
+
+Per token and KV head (specs/turboquant.md, "Groups" .. "Storage per group"):
+  * the head's D values split into D/G groups (G = 128 if D % 128 == 0, else 64);
+  * each group: norm n, unit vector rotated (rotation.py), each coordinate mapped to the
+    nearest centroid of codebook(bits, G) (ties to the upper index); the stored norm is
+    n / ||c|| so the reconstruction keeps the input's length (fp16, round to nearest).
+
+Byte layout of one token's indices for one head (a "row", D * bits / 8 bytes), chosen so
+a kernel unpacks a whole row of every token with shifts and masks in registers:
+  * turbo4: byte j = idx[2j] | idx[2j+1] << 4 (even element in the low nibble);
+  * turbo2: byte j = idx[4j] | idx[4j+1] << 2 | idx[4j+2] << 4 | idx[4j+3] << 6;
+  * turbo3: two bit planes. Bytes [0, D/4): the low two bits of every element, laid out
+    like turbo2. Bytes [D/4, 3D/8): the third bit, byte m bit i = bit 2 of idx[8m + i].
+Norms live apart from the indices (fp16, one per group). For D = 128 a turbo3 row is 48
+bytes: both planes start on 16-byte boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.kernels.rotation import rotate_reference
+from server.kernels.turbo.codebook import codebook
+
+TURBO_BITS = {"turbo2": 2, "turbo3": 3, "turbo4": 4}
+NORM_BYTES = 2  # fp16
+
+
+def index_bits(kind: str) -> int:
+    if kind not in TURBO_BITS:
+        raise ValueError(f"unknown turbo KV kind {kind!r}; expected one of {', '.join(TURBO_BITS)}")
+    return TURBO_BITS[kind]
+
+
+def group_size(head_dim: int) -> int:
+    """The spec's group for a head: 128 when it divides head_dim, else 64; anything else is refused."""
+    if head_dim > 0 and head_dim % 128 == 0:
+        return 128
+    if head_dim > 0 and head_dim % 64 == 0:
+        return 64
+    raise ValueError(
+        f"TurboQuant KV cache needs head_dim to be a multiple of 64, but this model has head_dim {head_dim}; "
+        f"use --kv-cache-dtype bf16 (or f16) for this model"
+    )
+
+
+def bits_per_value(kind: str, group: int = 128) -> float:
+    """Index bits plus the fp16 norm shared by a group (spec table: 2.125 / 3.125 / 4.125 at G=128)."""
+    return index_bits(kind) + 8 * NORM_BYTES / group
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where one token's data for one head lives: ``row_bytes`` of indices, ``num_groups`` norms."""
+
+    kind: str
+    head_dim: int
+
+    @property
+    def bits(self) -> int:
+        return index_bits(self.kind)
+
+    @property
+    def group(self) -> int:
+        return group_size(self.head_dim)
+
+    @property
+    def num_groups(self) -> int:
+        return self.head_dim // self.group
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * self.bits // 8
+
+    @property
+    def bytes_per_head(self) -> int:
+        return self.row_bytes + NORM_BYTES * self.num_groups
+
+
+def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack consecutive ``width``-bit fields of the last dim into bytes, first field lowest."""
+    per_byte = 8 // width
+    f = fields.to(torch.int32).reshape(*fields.shape[:-1], -1, per_byte)
+    shifts = torch.arange(per_byte, device=fields.device, dtype=torch.int32) * width
+    return (f << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack_fields(packed: torch.Tensor, width: int) -> torch.Tensor:
+    per_byte = 8 // width
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * width
+    f = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << width) - 1)
+    return f.reshape(*packed.shape[:-1], -1)
+
+
+def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """idx [..., D] (values < 2^bits) -> uint8 [..., D * bits / 8] in the layout above."""
+    if bits == 3:
+        return torch.cat([_pack_fields(idx & 3, 2), _pack_fields(idx >> 2, 1)], dim=-1)
+    return _pack_fields(idx, bits)
+
+
+def unpack_indices(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """uint8 [..., D * bits / 8] -> int32 indices [..., D]."""
+    if bits == 3:
+        low = _unpack_fields(packed[..., : head_dim // 4], 2)
+        high = _unpack_fields(packed[..., head_dim // 4 :], 1)
+        return low | (high << 2)
+    return _unpack_fields(packed, bits)
+
+
+def quantize_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (indices packed uint8 [..., row_bytes], norms fp16 [..., D / G]). float32 math."""
+    layout = RowLayout(kind, x.shape[-1])
+    book = codebook(layout.bits, layout.group)
+    g = x.float().reshape(*x.shape[:-1], layout.num_groups, layout.group)
+    n = torch.linalg.vector_norm(g, dim=-1, keepdim=True)
+    y = rotate_reference(torch.where(n > 0, g / n, torch.zeros_like(g)), layout.group)
+    # Count the midpoints at or below y: nearest centroid, a tie goes to the upper index.
+    idx = (y[..., None] >= book.midpoints_tensor(x.device)).sum(-1).to(torch.int32)
+    idx = torch.where(n > 0, idx, torch.zeros_like(idx))
+    c_norm = torch.linalg.vector_norm(book.centroids_tensor(x.device)[idx], dim=-1, keepdim=True)
+    stored = torch.where(c_norm > 1e-10, n / c_norm, n)
+    codes = pack_indices(idx.reshape(*x.shape[:-1], layout.head_dim), layout.bits)
+    return codes, stored.squeeze(-1).to(torch.float16)
+
+
+def dequantize_rotated(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
+    """The rotated-domain values attention uses: norm * c[idx], float32 [..., D]."""
+    layout = RowLayout(kind, head_dim)
+    book = codebook(layout.bits, layout.group)
+    idx = unpack_indices(codes, layout.bits, head_dim)
+    c = book.centroids_tensor(codes.device)[idx].reshape(*codes.shape[:-1], layout.num_groups, layout.group)
+    return (c * norms.float()[..., None]).reshape(*codes.shape[:-1], head_dim)
+
+
+def dequantize_reference(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
+    """Back to the original domain: inverse rotation of each group, float32 [..., D]."""
+    rotated = dequantize_rotated(codes, norms, kind, head_dim)
+    return rotate_reference(rotated, group_size(head_dim), inverse=True)

@@ -1,0 +1,100 @@
+"""The store kernel: one launch quantizes a step's new K and V into their turbo pages.
+
+Per (token, KV head) row and per group (format.py): norm, normalize, rotate
+(rotation.rotate_rows), nearest centroid by counting midpoints <= y (ties to the upper
+index), norm correction ||x|| / ||c||, pack, and scatter to the token's slot. Program axis 1
+picks K (0) or V (1), whose kinds may differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from server.kernels.rotation import rotate_rows
+from server.kernels.timing import timed
+from server.kernels.turbo.codes import centroid_of, store_indices
+from server.kernels.turbo.format import group_size
+
+ROWS_PER_PROGRAM = 16
+
+
+@dataclass
+class TurboPages:
+    """One layer's K or V pages: codes [pages, kv_heads, page_size, row_bytes] uint8, norms [..., groups] fp16."""
+
+    codes: torch.Tensor
+    norms: torch.Tensor
+    bits: int
+    centroids: torch.Tensor  # float32 [2^bits]
+    midpoints: torch.Tensor  # float32 [2^bits - 1]
+
+
+@triton.jit
+def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
+                   first_ptr, second_ptr, inv_sqrt, n_rows, pid,
+                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr):
+    NG: tl.constexpr = D // G
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    tok = rows // H
+    head = rows % H
+    slot = tl.load(slot_ptr + tok, mask=rows < n_rows, other=-1).to(tl.int64)
+    valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
+    x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + head[:, None] * stride_h + tl.arange(0, D)[None, :],
+                mask=valid[:, None], other=0.0).to(tl.float32)
+    xg = tl.reshape(x, (ROWS * NG, G))
+    n = tl.sqrt(tl.sum(xg * xg, axis=1))
+    u = tl.where(n[:, None] > 0, xg / n[:, None], 0.0)
+    y = rotate_rows(u, first_ptr, second_ptr, inv_sqrt, ROWS * NG, G, LOG2_G)
+    idx = tl.zeros((ROWS * NG, G), tl.int32)
+    for k in tl.static_range((1 << BITS) - 1):
+        idx += (y >= tl.load(mid_ptr + k)).to(tl.int32)
+    idx = tl.where(n[:, None] > 0, idx, 0)
+    c = centroid_of(idx, cent_ptr, BITS)
+    c_norm = tl.sqrt(tl.sum(c * c, axis=1))
+    stored = tl.where(c_norm > 1e-10, n / c_norm, n)  # zero input: n == 0 gives norm 0
+    row = (slot // PAGE_SIZE * H + head) * PAGE_SIZE + slot % PAGE_SIZE
+    norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
+    tl.store(norms_ptr + norm_offs, tl.reshape(stored, (ROWS, NG)).to(tl.float16), mask=valid[:, None])
+    store_indices(tl.reshape(idx, (ROWS, D)), codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
+
+
+@triton.jit
+def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slot_ptr,
+                  k_codes, k_norms, k_mid, k_cent, v_codes, v_norms, v_mid, v_cent,
+                  first_ptr, second_ptr, inv_sqrt, n_rows,
+                  H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                  G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    pid = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent,
+                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS)
+    else:
+        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent,
+                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS)
+
+
+def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
+                       v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float) -> None:
+    """Quantize k, v [T, kv_heads, D] (last dim contiguous) into their slots; one launch for both."""
+    num_tokens, heads, head_dim = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    n_rows = num_tokens * heads
+    if n_rows == 0:
+        return
+    group = group_size(head_dim)
+    grid = (triton.cdiv(n_rows, ROWS_PER_PROGRAM), 2)
+    with timed("turbo_store", k.device):
+        _store_kernel[grid](
+            k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping,
+            k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids,
+            v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
+            signs[0], signs[1], inv_sqrt, n_rows,
+            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=ROWS_PER_PROGRAM, D=head_dim, G=group,
+            LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
+        )

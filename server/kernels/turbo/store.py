@@ -1,0 +1,88 @@
+"""TurboKVStore: one layer's K and V pages in turbo2/3/4 (specs/turboquant.md), a KVLayerStore.
+
+Pages: codes [num_pages, kv_heads, page_size, row_bytes] uint8 and norms
+[num_pages, kv_heads, page_size, D / G] fp16, separately for K and V (format.py has the row
+layout). A page's rows for one head are contiguous, so a decode program reads
+page_size * row_bytes consecutive bytes per page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.kernels.backend import use_triton
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
+from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
+from server.kernels.turbo.codebook import codebook
+from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
+from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
+
+
+def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
+    book = codebook(layout.bits, layout.group)
+    return TurboPages(
+        codes=torch.zeros(num_pages, kv_heads, page_size, layout.row_bytes, dtype=torch.uint8, device=device),
+        norms=torch.zeros(num_pages, kv_heads, page_size, layout.num_groups, dtype=torch.float16, device=device),
+        bits=layout.bits,
+        centroids=book.centroids_tensor(device),
+        midpoints=book.midpoints_tensor(device),
+    )
+
+
+class TurboKVStore:
+    """Quantized paged K/V; K and V may use different kinds (e.g. turbo4 K with turbo3 V)."""
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, k_kind: str,
+                 v_kind: str, device: torch.device | str, out_dtype: torch.dtype):
+        group_size(head_dim)  # refuses head dims that are not a multiple of 64, with the fix in the message
+        if page_size < 1 or num_pages < 1:
+            raise ValueError(f"need at least one page of at least one token, got {num_pages} pages of {page_size}")
+        self.page_size = page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.k_kind, self.v_kind = k_kind, v_kind
+        self.out_dtype = out_dtype
+        self.k = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(k_kind, head_dim), device)
+        self.v = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(v_kind, head_dim), device)
+        group = group_size(head_dim)
+        self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
+        self.inv_sqrt = inv_sqrt_group(group)
+
+    @staticmethod
+    def bits_per_value(kind: str) -> float:
+        """The spec's table: index bits plus a 16-bit norm per 128 values."""
+        return bits_per_value(kind)
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, k_kind: str, v_kind: str) -> int:
+        """Bytes of K plus V for one token of one layer (indices and norms)."""
+        return num_kv_heads * (RowLayout(k_kind, head_dim).bytes_per_head + RowLayout(v_kind, head_dim).bytes_per_head)
+
+    def _check(self, name: str, t: torch.Tensor, tokens: int | None = None) -> None:
+        want = (self.num_kv_heads, self.head_dim)
+        if t.dim() != 3 or tuple(t.shape[1:]) != want or (tokens is not None and t.shape[0] != tokens):
+            raise ValueError(f"{name} must have shape [tokens, {want[0]}, {want[1]}], got {tuple(t.shape)}")
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._check("k", k)
+        self._check("v", v, k.shape[0])
+        if slot_mapping.shape != (k.shape[0],):
+            raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {tuple(slot_mapping.shape)}")
+        if use_triton(k):
+            store_turbo_triton(k, v, slot_mapping, self.k, self.v, self.signs, self.inv_sqrt)
+            return
+        keep = slot_mapping >= 0  # a negative slot marks a padding token
+        slots = slot_mapping[keep].long()
+        page, offset = slots // self.page_size, slots % self.page_size
+        for pages, kind, x in ((self.k, self.k_kind, k), (self.v, self.v_kind, v)):
+            codes, norms = quantize_reference(x[keep], kind)
+            pages.codes[page, :, offset] = codes
+            pages.norms[page, :, offset] = norms
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
+                             f"got {tuple(q.shape)}")
+        if use_triton(q) and meta.is_decode_only:
+            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt)
+        return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale)
