@@ -1,0 +1,98 @@
+"""The kernel timing hook: off costs nothing visible, on it counts every call and times sampled steps."""
+
+import time
+import uuid
+
+import pytest
+from prometheus_client import REGISTRY
+
+from server.kernels import timing
+
+
+@pytest.fixture(autouse=True)
+def timing_off_afterwards():
+    yield
+    timing.set_sample_rate(0.0)
+
+
+def kernel_name() -> str:
+    return f"test_kernel_{uuid.uuid4().hex[:8]}"
+
+
+def calls(kernel: str) -> float:
+    return _sample("turboserve_kernel_calls_total", kernel) or 0.0
+
+
+def timed_count(kernel: str) -> float:
+    return _sample("turboserve_kernel_duration_seconds_count", kernel) or 0.0
+
+
+def _sample(name: str, kernel: str) -> float | None:
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name == name and s.labels.get("kernel") == kernel and s.labels.get("device") == "cpu":
+                return s.value
+    return None
+
+
+def test_rate_zero_records_nothing():
+    kernel = kernel_name()
+    timing.set_sample_rate(0.0)
+    for _ in range(3):
+        timing.begin_step()
+        with timing.timed(kernel, "cpu"):
+            pass
+    assert calls(kernel) == 0 and timed_count(kernel) == 0
+
+
+def test_rate_one_times_every_call_with_the_monotonic_clock_on_cpu():
+    kernel = kernel_name()
+    timing.set_sample_rate(1.0)
+    with timing.timed(kernel, "cpu"):
+        time.sleep(0.02)
+    with timing.timed(kernel, "cpu"):
+        pass
+    assert calls(kernel) == 2 and timed_count(kernel) == 2
+    total = _sample("turboserve_kernel_duration_seconds_sum", kernel)
+    assert 0.02 <= total < 1.0, f"two calls, one sleeping 20 ms, summed to {total} s"
+    # The 20 ms call lands in the (10 ms, 20 ms] .. (20 ms, 50 ms] buckets, not below 10 ms.
+    below_10ms = REGISTRY.get_sample_value(
+        "turboserve_kernel_duration_seconds_bucket",
+        {"model_name": _model_label(kernel), "kernel": kernel, "device": "cpu", "le": "0.01"},
+    )
+    assert below_10ms == 1, f"expected only the empty call under 10 ms, got {below_10ms}"
+
+
+def _model_label(kernel: str) -> str:
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name == "turboserve_kernel_duration_seconds_count" and s.labels.get("kernel") == kernel:
+                return s.labels["model_name"]
+    raise AssertionError(f"{kernel} was never timed")
+
+
+def test_quarter_rate_times_one_step_in_four_and_counts_all_calls():
+    kernel = kernel_name()
+    timing.set_sample_rate(0.25)
+    for _ in range(12):
+        timing.begin_step()
+        for _ in range(2):  # two launches per step
+            with timing.timed(kernel, "cpu"):
+                pass
+    assert calls(kernel) == 24
+    assert timed_count(kernel) == 6, "3 of 12 steps sampled, 2 calls each"
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5, float("nan")])
+def test_rate_outside_zero_to_one_is_refused_with_advice(rate):
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        timing.set_sample_rate(rate)
+
+
+def test_exception_inside_a_timed_call_propagates_and_is_still_timed():
+    kernel = kernel_name()
+    timing.set_sample_rate(1.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        with timing.timed(kernel, "cpu"):
+            raise RuntimeError("boom")
+    assert timed_count(kernel) == 1
