@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.kernels.backend import use_triton
 from server.kernels.paged_kv import AttentionMetadata, KVLayerStore
 from server.runtime.models.config import ModelConfig
 from server.runtime.models.rope import RotaryEmbedding
@@ -30,6 +31,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 (bf16 squares overflow the mantissa); the weight multiplies in x's dtype,
         # as the checkpoints were trained.
+        if use_triton(x):
+            from server.kernels.rmsnorm import rms_norm  # one fused launch, same rounding points
+
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -44,7 +49,12 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_triton(gate_up):
+            from server.kernels.swiglu import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

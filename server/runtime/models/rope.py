@@ -17,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from server.kernels.backend import use_triton
 from server.runtime.models.config import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -105,6 +106,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] to their token positions [T]."""
+        if use_triton(q):
+            from server.kernels.rotary import apply_rotary  # one launch instead of ~20 elementwise kernels
+
+            return apply_rotary(positions, q, k, self.inv_freq, self.attention_scaling)
         # float32 angles: positions up to 2**24 are exact, and bf16 angles would drift within a few hundred tokens.
         freqs = positions[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
