@@ -11,13 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from server.runtime.models.loader import load_model
 from paged_batch import PagedBatch, greedy
-from tiny_checkpoints import CONFIGS, VOCAB, make_checkpoint
+from tiny_checkpoints import CONFIGS, PROMPTS, make_checkpoint
 
 NEW_TOKENS = 32
-PROMPTS = {
-    "a": [int(x) for x in torch.randint(3, VOCAB, (11,), generator=torch.Generator().manual_seed(1))],
-    "b": [int(x) for x in torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(2))],
-}
 
 
 def assert_matches_transformers(hf_model, path: str, chunk: int | None = None) -> None:

@@ -10,6 +10,11 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 VOCAB = 97  # odd on purpose
+# Two prompts of odd lengths (11 and 6 tokens: page boundaries at page_size 4 fall mid-prompt).
+PROMPTS = {
+    "a": [int(x) for x in torch.randint(3, VOCAB, (11,), generator=torch.Generator().manual_seed(1))],
+    "b": [int(x) for x in torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(2))],
+}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -81,9 +86,11 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(name: str, path: str, seed: int = 0, max_shard_size: str | None = None):
-    """Save a random checkpoint of CONFIGS[name] to ``path``; return the float32 transformers model."""
+def make_checkpoint(name: str, path: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Save a random checkpoint of CONFIGS[name] (with ``overrides``) to ``path``; return the float32
+    transformers model."""
     cls, kwargs = CONFIGS[name]
+    kwargs = {**kwargs, **overrides}
     cfg = cls(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-5,
               bos_token_id=1, eos_token_id=2, **kwargs)
     torch.manual_seed(seed)

@@ -11,6 +11,7 @@ kernels that multiply them directly.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -96,7 +97,7 @@ def model_config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         rope_theta=key("rope.freq_base", 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=key("context_length", 4096),
-        tie_word_embeddings=False,  # set by the loader from the presence of output.weight
+        tie_word_embeddings=False,  # read_gguf_config looks for output.weight
         attention_bias=arch in ("qwen2", "qwen2_moe"),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         num_experts=num_experts,
@@ -107,6 +108,18 @@ def model_config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=(eos,) if eos is not None else (),
     )
+
+
+def read_gguf_config(reader: gguf.GGUFReader, meta: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from the metadata, completed by what only the tensor list tells."""
+    cfg = model_config_from_gguf(meta)
+    tensors = {t.name: t for t in reader.tensors}
+    # No output.weight: the LM head is the embedding matrix.
+    cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in tensors)
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+ RoPE scaling, as per-frequency divisors
+        factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+        cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors.ravel().tolist()})
+    return cfg
 
 
 def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -139,7 +152,7 @@ class GGUFTensors:
                 continue
             hf = _hf_name(t.name)
             if hf is None:
-                continue  # e.g. rope_freqs.weight: llama.cpp's copy of what rope.py computes from the config
+                continue  # e.g. rope_freqs.weight, already part of the config (read_gguf_config)
             self._add(hf, t, self._permute_heads(hf))
         for (layer, which), t in experts.items():
             self._add(f"layers.{layer}.mlp.experts.{which}_exps", t, None)

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from server.runtime.models.config import ModelConfig
-from server.runtime.models.gguf_loader import GGUFTensors, RawTensor, model_config_from_gguf, read_metadata
+from server.runtime.models.gguf_loader import GGUFTensors, RawTensor, read_gguf_config, read_metadata
 from server.runtime.models.hf_loader import SafetensorsTensors, read_hf_config
 from server.runtime.models.llama import CausalLM
 from server.runtime.models.moe import build_moe_model
@@ -103,8 +103,7 @@ def _with_eos(cfg: ModelConfig, tokenizer: Tokenizer, extra: tuple[int, ...] = (
 def _load_gguf(path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
-    cfg = model_config_from_gguf(meta)
-    cfg = dataclasses.replace(cfg, tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
+    cfg = read_gguf_config(reader, meta)
     tokenizer = tokenizer_from_gguf(meta)
     cfg = _with_eos(cfg, tokenizer)
     tensors = GGUFTensors(reader, cfg)

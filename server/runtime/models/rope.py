@@ -4,7 +4,8 @@ Frequencies follow transformers' ``modeling_rope_utils`` definitions exactly, so
 same positions here as there: "default", "linear" (positions stretched by ``factor``), "llama3"
 (Llama 3.1+: low frequencies divided by ``factor``, a smooth ramp between ``low_freq_factor`` and
 ``high_freq_factor``) and "yarn" (Qwen2.5/Qwen3 long context: per-dimension blend of interpolation and
-extrapolation, plus an attention factor that scales cos and sin).
+extrapolation, plus an attention factor that scales cos and sin). "freq_factors" is llama.cpp's spelling of
+the same idea: GGUF files of Llama 3.1+ carry a ``rope_freqs`` tensor that divides each base frequency.
 
 "dynamic" NTK is refused: its frequencies depend on each sequence's current length, which a batch mixing
 sequences of different lengths cannot share.
@@ -20,7 +21,7 @@ from torch import nn
 from server.kernels.backend import use_triton
 from server.runtime.models.config import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -85,6 +86,8 @@ def rope_frequencies(
         return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(theta, head_dim, scaling, max_position_embeddings)
     return inv_freq, 1.0

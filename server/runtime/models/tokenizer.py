@@ -155,7 +155,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
             "use the Hugging Face directory of this model instead"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     pre = meta.get("tokenizer.ggml.pre")
     bpe = models.BPE(
         vocab={t: i for i, t in enumerate(tokens)},
