@@ -1,0 +1,123 @@
+"""Chat completions through the official openai client against the real server."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from live_server import MODEL
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# transformers' greedy reply from the same GGUF file (shared/ENVIRONMENT.md), an independent reference.
+REFERENCE_REPLY = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def greedy_reply(client):
+    return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+
+
+def test_greedy_chat_matches_the_transformers_reference(greedy_reply):
+    reply = greedy_reply
+    assert reply.choices[0].message.content == REFERENCE_REPLY
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "stop"  # stopped at <|im_end|>, before 16 tokens
+    assert reply.object == "chat.completion" and reply.model == MODEL
+    assert reply.id.startswith("chatcmpl-") and reply.system_fingerprint and reply.created > 0
+    usage = reply.usage
+    assert 0 < usage.completion_tokens < 16 and usage.prompt_tokens > 10
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_text_parts_render_like_a_plain_string(client, greedy_reply):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    reply = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == greedy_reply.choices[0].message.content
+    assert reply.usage == greedy_reply.usage
+
+
+def test_max_tokens_cuts_with_finish_reason_length(client):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+    assert REFERENCE_REPLY.startswith(reply.choices[0].message.content)
+
+
+def test_stream_carries_role_first_then_the_same_text(client, greedy_reply):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == greedy_reply.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert all(c.usage is None for c in chunks), "usage chunk sent without stream_options.include_usage"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_stream_usage_chunk_only_when_asked(client, greedy_reply):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage == greedy_reply.usage
+    assert all(c.usage is None and len(c.choices) == 1 for c in body)
+
+
+def test_n_two_returns_two_choices_and_counts_both(client):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+                                           max_tokens=6, n=2, temperature=1.0, seed=11)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage.completion_tokens == 12  # both ran to max_tokens (6 + 6)
+    assert all(c.finish_reason == "length" for c in reply.choices)
+
+
+def test_n_two_streaming_delivers_both_indices(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, n=2, temperature=0, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert texts[0] == texts[1] == "The capital of France"  # greedy: both samples agree
+
+
+def test_stop_string_is_cut_from_the_reply(client):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                           stop=[" Paris", "never"])
+    assert reply.choices[0].message.content == "The capital of France is"
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                              stop=" Paris", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "The capital of France is"
+
+
+def test_same_seed_same_text_other_seed_other_text(client):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Invent a name for a cat."}], max_tokens=12,
+            temperature=1.3, seed=seed).choices[0].message.content
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3)), "three other seeds all gave the same sample"
+
+
+def test_logprobs_have_openai_shape_and_agree_with_greedy_choice(client, greedy_reply):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].message.content == greedy_reply.choices[0].message.content
+    # Every generated token is scored, the end-of-turn token that stopped the reply included.
+    assert "".join(e.token for e in content) == reply.choices[0].message.content + "<|im_end|>"
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the most likely token
+        assert entry.logprob == pytest.approx(values[0]) and entry.logprob <= 0
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-4
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_no_logprobs_unless_asked(greedy_reply):
+    assert greedy_reply.choices[0].logprobs is None
