@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from server.runtime.engine import Engine
@@ -96,9 +96,11 @@ def measure_perplexity(
     text: str,
     ctx: int = 2048,
     max_chunks: int | None = None,
-    on_chunk: Callable[[int, int, float, float], None] | None = None,
+    verbose: bool = False,
 ) -> PerplexityResult:
-    """Perplexity of ``text`` through ``engine``; ``on_chunk(i, n, chunk_ppl, running_ppl)`` after each window."""
+    """Perplexity of ``text`` through ``engine``; ``verbose``: progress bar and one line per window."""
+    from tqdm import tqdm
+
     from server.runtime.engine import RequestRejected
     from server.runtime.sequence import SamplingParams
 
@@ -116,6 +118,7 @@ def measure_perplexity(
     # One generated token is required by the API; prompt_logprobs are the point of the call.
     params = SamplingParams(max_tokens=1, prompt_logprobs=True, ignore_eos=True)
     chunk_nlls: list[list[float]] = []
+    bar = tqdm(total=len(windows), unit="window", file=sys.stderr, dynamic_ncols=True, disable=not verbose)
     for i, window in enumerate(windows):
         try:
             out = engine.generate(window, params)
@@ -124,31 +127,18 @@ def measure_perplexity(
         if out.error or out.prompt_logprobs is None:
             raise RuntimeError(f"window {i + 1}: engine failed ({out.finish_reason}): {out.error or 'no prompt logprobs'}")
         chunk_nlls.append(scored_nlls(out.prompt_logprobs, ctx))
-        if on_chunk is not None:
+        if verbose:
             running = summarize(chunk_nlls, ctx, len(stream)).ppl
-            on_chunk(i, len(windows), math.exp(sum(chunk_nlls[-1]) / len(chunk_nlls[-1])), running)
+            chunk_ppl = math.exp(math.fsum(chunk_nlls[-1]) / len(chunk_nlls[-1]))
+            bar.update(1)
+            bar.set_postfix(ppl=f"{running:.3f}")
+            bar.write(f"[{i + 1}/{len(windows)}] chunk PPL {chunk_ppl:.4f}  running PPL {running:.4f}", file=sys.stdout)
+    bar.close()
     return summarize(chunk_nlls, ctx, len(stream))
 
 
 def format_final_line(result: PerplexityResult) -> str:
     return f"PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}"
-
-
-def _progress_printer():
-    """on_chunk callback: a tqdm bar on stderr, one line per window on stdout."""
-    from tqdm import tqdm
-
-    bar = tqdm(unit="window", file=sys.stderr, dynamic_ncols=True)
-
-    def on_chunk(i: int, n: int, chunk_ppl: float, running_ppl: float) -> None:
-        bar.total = n
-        bar.update(1)
-        bar.set_postfix(ppl=f"{running_ppl:.3f}")
-        bar.write(f"[{i + 1}/{n}] chunk PPL {chunk_ppl:.4f}  running PPL {running_ppl:.4f}")
-        if i + 1 == n:
-            bar.close()
-
-    return on_chunk
 
 
 def register(subparsers) -> None:
@@ -185,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     engine = Engine(config)
     try:
-        result = measure_perplexity(engine, text, args.ctx, args.chunks, on_chunk=_progress_printer())
+        result = measure_perplexity(engine, text, args.ctx, args.chunks, verbose=True)
     except PerplexityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
