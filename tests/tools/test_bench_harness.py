@@ -1,5 +1,6 @@
 """bench/harness.py: the arithmetic and bookkeeping behind every kernel-benchmark row."""
 
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +21,22 @@ def test_kernel_bench_refuses_to_run_without_gpu():
     )
     assert proc.returncode != 0, f"expected a non-zero exit on CPU, got 0; stdout={proc.stdout!r}"
     assert "needs a GPU" in proc.stderr, proc.stderr
+
+
+# Absent on the GPU machine (shared/ENVIRONMENT.md): the kernel benchmarks must not need them.
+SERVING_ONLY_MODULES = ("fastapi", "uvicorn", "pydantic", "gguf", "openai", "httpx")
+
+
+def test_kernel_benchmarks_import_without_serving_dependencies():
+    suites = [m for m in ("bench.kernels", "bench.kernels_turbo", "bench.kernels_experts")
+              if (REPO / (m.replace(".", "/") + ".py")).exists()]  # fmt: skip
+    code = (
+        f"import sys, importlib\nfor m in {SERVING_ONLY_MODULES!r}: sys.modules[m] = None\n"
+        f"for m in {suites!r}: importlib.import_module(m)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"importing {suites} needed a serving-only module:\n{proc.stderr[-3000:]}"
 
 
 def test_time_ms_rotates_inputs_and_excludes_warmup():
