@@ -162,7 +162,7 @@ def rotate_triton(
     src = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     n_rows = src.numel() // group
-    rows = max(1, min(4096 // group, triton.next_power_of_2(max(n_rows, 1))))
+    rows = max(1, min(1024 // group, triton.next_power_of_2(max(n_rows, 1))))
     if n_rows:
         with timed("rotation", x.device):
             _rotate_kernel[(triton.cdiv(n_rows, rows),)](

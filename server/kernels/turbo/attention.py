@@ -31,6 +31,7 @@ from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # tokens per inner step: four 16-token pages
+NUM_WARPS = 8  # with 4 warps ptxas spills the [BLOCK_N, D] decoded tiles (checked with cuobjdump -res-usage)
 PROGRAMS_PER_SM = 4  # enough programs in flight to hide memory latency
 
 
@@ -129,17 +130,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Split long contexts until there are about PROGRAMS_PER_SM programs per SM (flash-decoding)."""
-    blocks = max(1, triton.cdiv(max_seq_len, BLOCK_N))
+    blocks = max(1, triton.cdiv(max_seq_len, block_n))
     wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, num_seqs * kv_heads))
     return max(1, min(blocks, wanted))
 
 
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                            num_splits: int | None = None) -> torch.Tensor:
-    """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype."""
+                            num_splits: int | None = None, block_n: int = BLOCK_N,
+                            num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
+
+    ``num_splits``, ``block_n`` and ``num_warps`` exist for tests and the benchmark's sweep.
+    """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
     gqa = q_heads // kv_heads
@@ -148,9 +153,9 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device)
-    blocks = max(1, triton.cdiv(meta.max_seq_len, BLOCK_N))
-    chunk = triton.cdiv(blocks, num_splits) * BLOCK_N
+        num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, block_n)
+    blocks = max(1, triton.cdiv(meta.max_seq_len, block_n))
+    chunk = triton.cdiv(blocks, num_splits) * block_n
     num_splits = max(1, triton.cdiv(meta.max_seq_len, chunk))
     part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
@@ -163,7 +168,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.centroids,
             v_pages.codes, v_pages.norms, v_pages.centroids, signs[0], signs[1], inv_sqrt,
             scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
-            PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=BLOCK_N, **shape,
+            PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n, num_warps=num_warps,
+            **shape,
         )
         _merge_kernel[(num_seqs, kv_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, part_acc, part_m, part_l, num_splits,

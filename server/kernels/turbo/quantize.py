@@ -48,7 +48,7 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
                 mask=valid[:, None], other=0.0).to(tl.float32)
     xg = tl.reshape(x, (ROWS * NG, G))
     n = tl.sqrt(tl.sum(xg * xg, axis=1))
-    u = tl.where(n[:, None] > 0, xg / n[:, None], 0.0)
+    u = xg / tl.where(n > 0, n, 1.0)[:, None]  # a zero group stays zero
     y = rotate_rows(u, first_ptr, second_ptr, inv_sqrt, ROWS * NG, G, LOG2_G)
     idx = tl.zeros((ROWS * NG, G), tl.int32)
     for k in tl.static_range((1 << BITS) - 1):
