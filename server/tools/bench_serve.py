@@ -261,7 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of every request")
     parser.add_argument("--prompts-file", help="one prompt per line (.jsonl: objects with 'prompt') instead of random")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds to wait for the server (connect, or between response bytes)")
+    parser.add_argument("--timeout", type=_positive_float, default=600.0,
+                        help="seconds to wait for the server (to connect, or between response bytes)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the full result (summary and per-request data)")
     parser.add_argument("--no-progress", action="store_true")
 

@@ -125,14 +125,16 @@ def measure_perplexity(
         except RequestRejected as exc:
             raise PerplexityError(f"the engine refused a window of {ctx} tokens: {exc}; try a smaller --ctx") from exc
         if out.error or out.prompt_logprobs is None:
-            raise RuntimeError(f"window {i + 1}: engine failed ({out.finish_reason}): {out.error or 'no prompt logprobs'}")
+            reason = out.error or "no prompt logprobs"
+            raise RuntimeError(f"window {i + 1}: engine failed ({out.finish_reason}): {reason}")
         chunk_nlls.append(scored_nlls(out.prompt_logprobs, ctx))
         if verbose:
             running = summarize(chunk_nlls, ctx, len(stream)).ppl
             chunk_ppl = math.exp(math.fsum(chunk_nlls[-1]) / len(chunk_nlls[-1]))
             bar.update(1)
             bar.set_postfix(ppl=f"{running:.3f}")
-            bar.write(f"[{i + 1}/{len(windows)}] chunk PPL {chunk_ppl:.4f}  running PPL {running:.4f}", file=sys.stdout)
+            line = f"[{i + 1}/{len(windows)}] chunk PPL {chunk_ppl:.4f}  running PPL {running:.4f}"
+            bar.write(line, file=sys.stdout)
     bar.close()
     return summarize(chunk_nlls, ctx, len(stream))
 
