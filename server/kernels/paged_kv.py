@@ -94,6 +94,8 @@ def paged_attention_reference(
 class DenseKVStore:
     """Pages of plain floating-point K and V (bf16, f16 or f32)."""
 
+    cuda_graph_safe = True  # the fast write skips slot -1 and decode handles seq_len 0 (runtime/cuda_graphs.py)
+
     def __init__(
         self,
         num_pages: int,

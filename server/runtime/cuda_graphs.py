@@ -10,6 +10,10 @@ seq_len is 0 (decode attention returns zeros for them), so they never touch a pa
 are captured with a context-length hint of ``max_model_len`` because the decode kernel
 picks its split count at capture time and the graph replays at every length
 (server/kernels/dense_attention.py computes split ranges on the device).
+
+A KV store opts in with a class attribute ``cuda_graph_safe = True``, which promises exactly
+that: a negative slot writes nothing, a row with seq_len 0 reads nothing and stays finite, and
+launch shapes depend on the host metadata only, never on the values of ``seq_lens``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import torch
 
 from server.kernels.backend import use_triton
-from server.kernels.paged_kv import AttentionMetadata, DenseKVStore, KVLayerStore
+from server.kernels.paged_kv import AttentionMetadata, KVLayerStore
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +36,13 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 def graphs_unavailable_reason(device: torch.device, stores: list[KVLayerStore]) -> str | None:
     """Why decode steps must run eagerly here, or None when they can be captured."""
+    unsafe = next((type(s).__name__ for s in stores if not getattr(s, "cuda_graph_safe", False)), None)
+    if unsafe is not None:
+        return f"CUDA graphs are off: {unsafe} does not declare cuda_graph_safe (see this module's docstring)"
     if device.type != "cuda":
         return f"no CUDA graphs on {device.type}"
     if not use_triton(torch.empty(0, device=device)):
         return "CUDA graphs need the Triton kernels (reference kernels sync with the host)"
-    other = next((type(s).__name__ for s in stores if not isinstance(s, DenseKVStore)), None)
-    if other is not None:
-        return f"CUDA graphs are off: {other} does not promise to skip padding slots (-1)"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Decode CUDA-graph policy (server/runtime/cuda_graphs.py). Replay itself needs a GPU: bench/gpu_check.py
+"""Decode CUDA-graph policy (server/runtime/cuda_graphs.py). Replay itself needs a GPU: bench/dense_gpu_check.py
 compares replayed and eager decode steps there."""
 
 from __future__ import annotations
@@ -24,3 +24,13 @@ def test_no_graphs_on_cpu_or_when_eager():
     assert "cpu" in graphs_unavailable_reason(torch.device("cpu"), stores)
     assert maybe_capture_decode_graphs(torch.nn.Identity(), stores, 8, 4, 64, torch.device("cpu")) is None
     assert maybe_capture_decode_graphs(torch.nn.Identity(), stores, 0, 4, 64, torch.device("cpu")) is None
+
+
+def test_graphs_need_stores_that_declare_themselves_graph_safe():
+    class UndeclaredStore:
+        page_size = 16
+
+    assert DenseKVStore.cuda_graph_safe
+    stores = [DenseKVStore(2, 16, 1, 8, torch.float32, "cpu"), UndeclaredStore()]
+    reason = graphs_unavailable_reason(torch.device("cpu"), stores)
+    assert "UndeclaredStore" in reason and "cuda_graph_safe" in reason, reason
