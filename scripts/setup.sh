@@ -52,3 +52,6 @@ install_python_packages() {
 
 install_system_packages
 install_python_packages
+# English text for perplexity runs and tests (server/tools/corpus.py: the Lee corpus from the
+# gensim wheel, SHA-256 checked, kept in the ignored .data/); a no-op once it is there.
+.venv/bin/python -m server.tools.corpus >/dev/null || echo "setup: warning: could not fetch the perplexity corpus" >&2
