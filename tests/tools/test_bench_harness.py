@@ -92,3 +92,29 @@ def test_report_inserts_dated_blocks_above_marker_in_order(tmp_path):
 def test_report_refuses_empty_rows(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         report("t", [], 1.0, "cmd", device=torch.device("cpu"), doc_path=tmp_path / "x.md")
+
+
+def test_dispatcher_runs_suites_and_reports_missing_ones(monkeypatch, tmp_path, capsys):
+    import types
+
+    import bench.kernels as kernels
+
+    seen = {}
+
+    def run(device, copy_gbs):
+        seen["args"] = (device, copy_gbs)
+        return "Fake suite", [Row("case-1", ours_ms=2.0, baseline_ms=4.0)]
+
+    monkeypatch.setitem(sys.modules, "fake_suite", types.SimpleNamespace(run=run))
+    monkeypatch.setattr(kernels, "SUITES", {"turbo": "fake_suite", "experts": "no_such_suite_module"})
+    monkeypatch.setattr(kernels, "require_gpu", lambda: torch.device("cpu"))
+    monkeypatch.setattr(kernels, "copy_bandwidth_gbs", lambda device: 1234.0)
+    doc = tmp_path / "B.md"
+    monkeypatch.setattr(kernels, "BENCHMARKS_DOC", doc)
+    assert kernels.main(["turbo"]) == 0
+    assert seen["args"] == (torch.device("cpu"), 1234.0)
+    assert "### Fake suite" in doc.read_text() and "| case-1 | 2.0000 |" in doc.read_text()
+    assert kernels.main(["all", "--no-record"]) == 1  # the experts suite is missing
+    captured = capsys.readouterr()
+    assert "suite 'experts' has no module yet" in captured.err
+    assert doc.read_text().count("### Fake suite") == 1  # --no-record wrote nothing
