@@ -1,0 +1,139 @@
+"""Turbo KV attention: fused decode (Triton, interpreter) and the decode-then-attend path vs a float64 oracle.
+
+The oracle decodes the stored pages itself in float64 (indices, float64 centroids, the fp16
+norms, an explicit rotation matrix) and runs plain softmax attention with causal offsets.
+"""
+
+import math
+
+import pytest
+import torch
+
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.rotation import SIGNS1, SIGNS2
+from server.kernels.turbo.attention import decode_attention_triton
+from server.kernels.turbo.codebook import codebook
+from server.kernels.turbo.format import group_size, unpack_indices
+from server.kernels.turbo.store import TurboKVStore
+
+PAGE = 16
+
+
+def rotation_matrix64(g):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < g:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    d1, d2 = ([-1.0 if (w[e // 32] >> (e % 32)) & 1 else 1.0 for e in range(g)] for w in (SIGNS1, SIGNS2))
+    return torch.diag(torch.tensor(d2, dtype=torch.float64)) @ h @ torch.diag(torch.tensor(d1, dtype=torch.float64)) / math.sqrt(g)
+
+
+def decode64(pages, head_dim):
+    """[num_pages, page, heads, D] float64 in the original domain."""
+    g = group_size(head_dim)
+    c = torch.tensor(codebook(pages.bits, g).centroids, dtype=torch.float64)
+    idx = unpack_indices(pages.codes, pages.bits, head_dim)
+    rotated = c[idx].reshape(*idx.shape[:-1], head_dim // g, g) * pages.norms.double()[..., None]
+    original = rotated @ rotation_matrix64(g)  # row vector times R is R^T applied to it
+    return original.reshape(*idx.shape).transpose(1, 2)
+
+
+def oracle(q, store, meta, scale):
+    k, v = decode64(store.k, store.head_dim), decode64(store.v, store.head_dim)
+    kv_heads = k.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = meta.query_start_loc.tolist()
+    for s, (n, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        pages = meta.block_tables[s, : -(-n // PAGE)].long()
+        ks = k[pages].reshape(-1, kv_heads, k.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        vs = v[pages].reshape(-1, kv_heads, v.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
+        for i in range(q_len):
+            pos = n - q_len + i
+            scores = torch.einsum("hd,khd->hk", q[starts[s] + i].double(), ks[: pos + 1]) * scale
+            out[starts[s] + i] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vs[: pos + 1])
+    return out
+
+
+def scenario(seq_lens, q_lens, kv_heads, gqa, head_dim, k_kind, v_kind, seed=0):
+    """A store holding every sequence's K/V in shuffled pages, and the step's metadata and queries."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-n // PAGE) for n in seq_lens]
+    num_pages = sum(pages_needed) + 3
+    order = torch.randperm(num_pages, generator=gen).tolist()  # non-contiguous, out-of-order block tables
+    tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
+    store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
+    for s, n in enumerate(seq_lens):
+        tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
+        slots = tables[s, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE
+        k = torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.5
+        store.write(k, torch.randn(n, kv_heads, head_dim, generator=gen), slots)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, torch.tensor(seq_lens, dtype=torch.int32),
+                             starts, list(seq_lens), list(q_lens))
+    q = torch.randn(sum(q_lens), kv_heads * gqa, head_dim, generator=gen)
+    return store, meta, q
+
+
+def assert_close(got, want, tol, what):
+    err = (got.double() - want).abs().max().item()
+    assert err < tol, f"{what}: max abs error {err:.3g} >= {tol}"
+
+
+MIXED_LENGTHS = [1, 2, PAGE - 1, PAGE, PAGE + 1, 45]
+
+
+@pytest.mark.parametrize(
+    "head_dim,gqa,k_kind,v_kind",
+    [(64, 1, "turbo3", "turbo3"), (64, 8, "turbo2", "turbo4"), (128, 2, "turbo4", "turbo3"),
+     (128, 4, "turbo3", "turbo3"), (256, 4, "turbo4", "turbo2"), (256, 1, "turbo2", "turbo2")],
+)
+def test_fused_decode_matches_reference_and_float64(head_dim, gqa, k_kind, v_kind):
+    store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, gqa, head_dim, k_kind, v_kind)
+    scale = head_dim**-0.5
+    want = oracle(q, store, meta, scale)
+    reference = store.attend(q, meta, scale)  # CPU: the decode-then-attend path
+    assert_close(reference, want, 1e-5, "reference vs float64")
+    fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt, num_splits=2)
+    assert_close(fused, want, 2e-5, "fused decode vs float64")
+
+
+def test_fused_decode_long_context_any_split_count():
+    store, meta, q = scenario([1000, 3], [1, 1], 1, 4, 128, "turbo3", "turbo3", seed=3)
+    want = oracle(q, store, meta, 128**-0.5)
+    for splits in (1, 5, None):
+        fused = decode_attention_triton(q, store.k, store.v, meta, 128**-0.5, store.signs, store.inv_sqrt,
+                                        num_splits=splits)
+        assert_close(fused, want, 2e-5, f"fused decode, {splits} splits")
+
+
+@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (128, 8), (256, 2)])
+def test_prefill_and_chunked_prefill_match_float64(head_dim, gqa):
+    # whole prompts, a second chunk of a prompt, and a decode step in one batch
+    store, meta, q = scenario([5, 40, 17, 1000], [5, 23, 1, 2], 2, gqa, head_dim, "turbo4", "turbo3", seed=5)
+    want = oracle(q, store, meta, 0.1)
+    assert_close(store.attend(q, meta, 0.1), want, 1e-5, "prefill vs float64")
+
+
+def test_store_write_then_attend_through_the_store_api():
+    """Tokens written in two chunks attend like tokens written at once (chunk boundary at 13)."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(30, 2, 64, generator=gen), torch.randn(30, 2, 64, generator=gen)
+    q = torch.randn(30, 4, 64, generator=gen)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    slots = table[0, torch.arange(30) // PAGE].long() * PAGE + torch.arange(30) % PAGE
+    whole = TurboKVStore(3, PAGE, 2, 64, "turbo3", "turbo4", "cpu", torch.float32)
+    whole.write(k, v, slots)
+    out_whole = whole.attend(q, AttentionMetadata(slots, table, torch.tensor([30]), torch.tensor([0, 30]), [30], [30]), 0.125)
+    chunked = TurboKVStore(3, PAGE, 2, 64, "turbo3", "turbo4", "cpu", torch.float32)
+    chunked.write(k[:13], v[:13], slots[:13])
+    first = chunked.attend(q[:13], AttentionMetadata(slots[:13], table, torch.tensor([13]), torch.tensor([0, 13]), [13], [13]), 0.125)
+    chunked.write(k[13:], v[13:], slots[13:])
+    second = chunked.attend(q[13:], AttentionMetadata(slots[13:], table, torch.tensor([30]), torch.tensor([0, 17]), [30], [17]), 0.125)
+    assert_close(torch.cat([first, second]), out_whole.double(), 1e-6, "chunked vs whole prefill")
+
+
+def test_bad_shapes_are_explained():
+    store = TurboKVStore(2, PAGE, 2, 64, "turbo3", "turbo3", "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"k must have shape \[tokens, 2, 64\]"):
+        store.write(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), torch.arange(3))
+    with pytest.raises(ValueError, match="one slot per token"):
+        store.write(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.arange(4))
