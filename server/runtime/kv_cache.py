@@ -145,8 +145,10 @@ class KVCache:
         self.free_pages.extend(seq.block_table)
         seq.block_table = []
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.page_size] * self.page_size + position % self.page_size
+    def slots(self, seq: Sequence, start: int, n: int) -> list[int]:
+        """Pool slots (page * page_size + offset) of positions start .. start + n - 1."""
+        table, size = seq.block_table, self.page_size
+        return [table[p // size] * size + p % size for p in range(start, start + n)]
 
     # -- capacity, for metrics and the start-up log ----------------------------------------
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
@@ -68,14 +69,14 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        block_tables = torch.zeros(len(chunks), self.max_pages_per_seq, dtype=torch.int32)
+        block_tables = np.zeros((len(chunks), self.max_pages_per_seq), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             first_row = len(ids)
             ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
-            slots += [self.kv_cache.slot(seq, p) for p in range(start, start + n)]
-            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            slots += self.kv_cache.slots(seq, start, n)
+            block_tables[i, : len(seq.block_table)] = seq.block_table
             if wants_prompt_logprobs(chunk):
                 logit_rows += range(first_row, first_row + n)
             elif chunk.samples:
@@ -85,21 +86,18 @@ class ModelRunner:
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
-
-        def on_device(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+        # One host-to-device copy for all 1-D inputs (a copy costs more than its bytes here).
+        t, s = len(ids), len(chunks)
+        flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64).to(self.device)
         meta = AttentionMetadata(
-            slot_mapping=on_device(slots, torch.int64),
-            block_tables=block_tables.to(self.device, non_blocking=True),
-            seq_lens=on_device(seq_lens, torch.int32),
-            query_start_loc=on_device(query_start, torch.int32),
+            slot_mapping=flat[2 * t : 3 * t],
+            block_tables=torch.from_numpy(block_tables).to(self.device),
+            seq_lens=flat[3 * t : 3 * t + s].to(torch.int32),
+            query_start_loc=flat[3 * t + s :].to(torch.int32),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
         )
-        return StepInputs(
-            on_device(ids, torch.int64), on_device(positions, torch.int64), meta, logit_rows, query_start[:-1]
-        )
+        return StepInputs(flat[:t], flat[t : 2 * t], meta, logit_rows, query_start[:-1])
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model call; decode-only steps (inputs.meta.is_decode_only) are what CUDA graphs replay."""
@@ -115,15 +113,20 @@ class ModelRunner:
         results = [ChunkResult() for _ in chunks]
         if not inputs.logit_rows:
             return results
+        if len(inputs.logit_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(inputs.logit_rows, device=self.device)]
         with timed("lm_head", self.device):
-            logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
+            logits = self.model.compute_logits(hidden)
         row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
         starts = inputs.row_starts
 
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if sampling:
-            last_rows = torch.tensor([row_of[starts[i] + chunks[i].num_tokens - 1] for i in sampling], device=self.device)
-            sample_logits = logits[last_rows]
+            last_rows = [row_of[starts[i] + chunks[i].num_tokens - 1] for i in sampling]
+            if len(last_rows) < logits.shape[0]:  # prompt-logprob rows are in there too
+                sample_logits = logits[torch.tensor(last_rows, device=self.device)]
+            else:
+                sample_logits = logits
             seqs = [chunks[i].seq for i in sampling]
             with timed("sampling", self.device):
                 tokens = sample(sample_logits, SamplingTensors.from_sequences(seqs, logits.shape[1], self.device))

@@ -4,8 +4,8 @@ Order (vLLM v1): penalties on the raw logits -> greedy argmax, or temperature ->
 top-k -> top-p -> a seeded exponential race. Logprobs are always taken from the raw
 model logits, as OpenAI and vLLM report them.
 
-Seeded noise is counter-based: the uniform for (seed, step, token) is a hash of those
-three numbers, where step is how many tokens the sequence has generated. A row's noise
+Seeded noise is counter-based: a row's generator is seeded afresh every step from a hash
+of (seed, step), where step is how many tokens the sequence has generated. A row's noise
 therefore never depends on which other rows share the batch, nor on a preemption and
 recompute in between, and no generator state has to be carried around.
 """
@@ -18,31 +18,28 @@ import torch
 
 from server.runtime.sequence import Sequence, TokenLogprob
 
-_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for uint32 values held in int64, without signed overflow."""
-    low = (x & 0xFFFF) * c
-    high = (((x >> 16) * c) & 0xFFFF) << 16
-    return (low + high) & _U32
+def _splitmix64(x: int) -> int:
+    # SplitMix64's finalizer: nearby inputs (seed, seed + 1; step, step + 1) give unrelated outputs.
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # "lowbias32" integer hash (C. Wellons): full avalanche on 32-bit inputs.
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, token id)."""
-    row = _mix32(_mix32(_mix32(seeds & _U32) ^ ((seeds >> 32) & _U32)) ^ (steps & _U32))
-    col = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x9E3779B9)
-    bits = _mix32(row[:, None] ^ col[None, :]) >> 8  # 24 bits: exact in float32
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+def exponential_noise(seeds: list[int | None], steps: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] Exp(1) draws; row i is a pure function of (seeds[i], steps[i]) on a given device.
+    A row without a seed (a greedy row, which ignores the noise) is left at 1."""
+    generator = torch.Generator(device)
+    noise = torch.ones(len(seeds), vocab_size, device=device)
+    for row, (seed, step) in enumerate(zip(seeds, steps)):
+        if seed is None:
+            continue
+        generator.manual_seed(_splitmix64((_splitmix64(seed & _U64) + step) & _U64))
+        noise[row].exponential_(generator=generator)
+    return noise
 
 
 def apply_penalties(
@@ -84,43 +81,49 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters of one step, on the logits' device."""
+    """Per-row sampling parameters of one step, on the logits' device. An all-greedy batch
+    without penalties (the common serving case) builds no tensors at all."""
 
-    greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor
-    top_k: torch.Tensor  # [B] int64; vocab size when off
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64: tokens generated so far
     all_greedy: bool
-    use_min_p: bool
-    use_top_k_top_p: bool
-    penalties: tuple[torch.Tensor, ...] | None  # apply_penalties' arguments after logits
+    use_min_p: bool = False
+    use_top_k_top_p: bool = False
+    greedy: torch.Tensor | None = None  # [B] bool
+    temperature: torch.Tensor | None = None  # [B]; 1 for greedy rows
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None  # [B] int64; vocab size when off
+    seeds: list[int | None] | None = None  # None for greedy rows
+    steps: list[int] | None = None  # tokens generated so far
+    penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after logits
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
         params = [s.params for s in seqs]
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         penalized = any(
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
         )
+        penalties = _penalty_tensors(seqs, vocab_size, device) if penalized else None
+        if all(p.greedy for p in params):
+            return cls(all_greedy=True, penalties=penalties)
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # One host-to-device copy instead of five.
+        columns = [
+            [float(p.greedy), p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p, k]
+            for p, k in zip(params, top_k)
+        ]
+        floats = torch.tensor(columns, dtype=torch.float32).to(device)  # top_k < 2**24: exact in float32
         return cls(
-            greedy=column([p.greedy for p in params], torch.bool),
-            temperature=column([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32),
-            top_k=column(top_k, torch.int64),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            seeds=column([s.seed for s in seqs], torch.int64),
-            steps=column([s.num_generated_tokens for s in seqs], torch.int64),
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=False,
             use_min_p=any(p.min_p > 0 and not p.greedy for p in params),
             use_top_k_top_p=any((k < vocab_size or p.top_p < 1.0) and not p.greedy for k, p in zip(top_k, params)),
-            penalties=_penalty_tensors(seqs, vocab_size, device) if penalized else None,
+            greedy=floats[:, 0] > 0,
+            temperature=floats[:, 1],
+            top_p=floats[:, 2],
+            min_p=floats[:, 3],
+            top_k=floats[:, 4].long(),
+            seeds=[None if s.params.greedy else s.seed for s in seqs],
+            steps=[s.num_generated_tokens for s in seqs],
+            penalties=penalties,
         )
 
 
@@ -129,7 +132,9 @@ def _penalty_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device
     output_counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32)
     for row, seq in enumerate(seqs):
         prompt_mask[row, seq.prompt_token_ids] = True
-        output_counts[row].index_add_(0, torch.tensor(seq.output_token_ids, dtype=torch.int64), torch.ones(seq.num_generated_tokens))
+        output_counts[row].index_add_(
+            0, torch.tensor(seq.output_token_ids, dtype=torch.int64), torch.ones(seq.num_generated_tokens)
+        )
     params = [s.params for s in seqs]
     return (
         prompt_mask.to(device),
@@ -154,8 +159,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         logits = mask_top_k_top_p(logits, st.top_k, st.top_p)
     probs = torch.softmax(logits, dim=-1)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i.
-    exponentials = -torch.log(seeded_uniform(st.seeds, st.steps, logits.shape[1]))
-    sampled = (probs / exponentials).argmax(dim=-1)
+    sampled = (probs / exponential_noise(st.seeds, st.steps, logits.shape[1], logits.device)).argmax(dim=-1)
     return torch.where(st.greedy, greedy, sampled)
 
 

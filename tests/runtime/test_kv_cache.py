@@ -44,7 +44,7 @@ def test_block_tables_grow_by_pages_and_free_returns_them():
     assert not kv.can_grow(a, 33) and kv.can_grow(a, 32)
     with pytest.raises(RuntimeError, match="exhausted"):
         kv.grow(a, 33)
-    assert kv.slot(b, 17) == b.block_table[1] * 16 + 1
+    assert kv.slots(b, 15, 3) == [b.block_table[0] * 16 + 15, b.block_table[1] * 16, b.block_table[1] * 16 + 1]
     kv.free(b)
     assert b.block_table == [] and kv.num_free_pages == 8
 

@@ -9,10 +9,10 @@ import torch
 from server.runtime.sampler import (
     SamplingTensors,
     apply_penalties,
+    exponential_noise,
     mask_min_p,
     mask_top_k_top_p,
     sample,
-    seeded_uniform,
     token_logprobs,
 )
 from server.runtime.sequence import SamplingParams, Sequence
@@ -95,20 +95,23 @@ def test_greedy_with_penalties_picks_argmax_of_penalized_logits():
     assert sample(logits, SamplingTensors.from_sequences(plain, 4, torch.device("cpu"))).tolist() == [0]
 
 
-def test_seeded_uniform_is_a_function_of_seed_step_and_token():
-    seeds, steps = torch.tensor([5, 5, 6, -3]), torch.tensor([0, 1, 0, 0])
-    u = seeded_uniform(seeds, steps, 1000)
-    assert u.min() > 0 and u.max() < 1
-    assert torch.equal(u[0], seeded_uniform(torch.tensor([5]), torch.tensor([0]), 1000)[0])
-    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[3])
-    # Uniform: the 1000 * 4 values fill 10 equal bins evenly (chi-square, 9 dof, p ~ 0.001 at 27.9).
-    counts = torch.histc(u.flatten(), bins=10, min=0, max=1)
-    assert ((counts - 400) ** 2 / 400).sum() < 27.9
+def test_exponential_noise_is_a_function_of_seed_and_step():
+    cpu = torch.device("cpu")
+    noise = exponential_noise([5, 5, 6, -3, None], [0, 1, 0, 0, 0], 4000, cpu)
+    assert torch.equal(noise[0], exponential_noise([5], [0], 4000, cpu)[0])
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert not torch.equal(noise[0], noise[3])
+    assert torch.equal(noise[4], torch.ones(4000)), "a greedy row draws nothing"
+    # Exp(1): mean 1 and P(E > 1) = 1/e, within 4 standard errors of 16000 draws.
+    draws = noise[:4].flatten()
+    assert abs(draws.mean().item() - 1.0) < 4 / 16000**0.5
+    frac = (draws > 1).float().mean().item()
+    assert abs(frac - np.exp(-1)) < 4 * (np.exp(-1) * (1 - np.exp(-1)) / 16000) ** 0.5
 
 
 def test_seeded_sampling_follows_the_filtered_distribution():
     # One seed, 6000 consecutive steps: the empirical frequencies must match softmax(logits / T)
-    # restricted by top-k. (Deterministic: the noise is a hash, so this cannot flake.)
+    # restricted by top-k. (Deterministic: the noise is seeded, so this cannot flake.)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
     params = SamplingParams(temperature=0.8, top_k=4, seed=42)
     n = 6000
