@@ -139,8 +139,7 @@ def _register_external(name: str, module: str, subparsers) -> None:
         if isinstance(exc, ImportError) and missing and not (module + ".").startswith(missing + "."):
             raise
         p = subparsers.add_parser(name, help="not available yet", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_not_available(name, module, str(exc)))
+        p.set_defaults(func=_not_available(name, module, str(exc)), ignores_flags=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,5 +163,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "ignores_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args) or 0

@@ -46,6 +46,9 @@ class ServingContext:
     def start(self, prefix: str, sequences: list[tuple[list[int], SamplingParams]],
               prompt_param: str) -> tuple[str, SequenceGroup]:
         """Submit a request's sequences; engine refusals become 400 (naming the field) or 503."""
+        if not self.engine.is_alive():
+            raise ApiError(503, "The engine loop is not running; the server cannot take requests.",
+                           type="overloaded_error", code="engine_unavailable")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         group = SequenceGroup(self.engine, request_id)
         try:

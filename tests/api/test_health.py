@@ -1,0 +1,38 @@
+"""/health follows the engine loop: a stopped loop is 503 there and on /v1 (a stand-in engine,
+since stopping the real one would take the shared server down)."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from server.api.app import create_app
+from server.config import ServerConfig
+
+
+class StoppedEngine:
+    """Test double: an engine whose step loop has died."""
+
+    model_name = "stub"
+    max_model_len = 64
+    tokenizer = None
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_health_is_503_when_the_engine_loop_is_down():
+    client = TestClient(create_app(StoppedEngine(), ServerConfig()))
+    response = client.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "unavailable"
+    refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_health_version_and_models_when_alive(api_server):
+    import httpx
+
+    assert httpx.get(api_server.base_url + "/health").json() == {"status": "ok"}
+    version = httpx.get(api_server.base_url + "/version").json()["version"]
+    assert version and version[0].isdigit()
+    models = httpx.get(api_server.v1 + "/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
