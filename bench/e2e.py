@@ -102,7 +102,8 @@ def build_random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
                     p.normal_(0.0, 0.02)  # keeps activations finite through the random stack
     finally:
         torch.set_default_dtype(previous)
-    return RandomModel(model.eval(), NullTokenizer(cfg.vocab_size), cfg, "random-" + str(cfg.hidden_size))
+    model = model.to(device).eval()  # buffers made on the CPU on purpose (RoPE frequencies) follow the weights
+    return RandomModel(model, NullTokenizer(cfg.vocab_size), cfg, "random-" + str(cfg.hidden_size))
 
 
 def weight_bytes_per_decode_step(model: torch.nn.Module, cfg: ModelConfig) -> int:
