@@ -13,12 +13,13 @@ from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 
 
 class PagedBatch:
-    def __init__(self, model, num_pages: int = 64, page_size: int = 4, seed: int = 0):
+    def __init__(self, model, num_pages: int = 64, page_size: int = 4, seed: int = 0, kv_dtype=torch.float32):
         cfg = model.config
         self.model = model
+        self.device = model.embed_tokens.weight.device
         self.page_size = page_size
         self.stores = [
-            DenseKVStore(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            DenseKVStore(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
             for _ in range(cfg.num_layers)
         ]
         self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -50,16 +51,17 @@ class PagedBatch:
         tables = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
         for i, seq in enumerate(chunks):
             tables[i, : len(self.pages[seq])] = torch.tensor(self.pages[seq], dtype=torch.int32)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0] + q_lens).cumsum(0).to(device=dev, dtype=torch.int32),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=q_lens,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.stores, meta)
-        logits = self.model.compute_logits(hidden)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.stores, meta)
+        logits = self.model.compute_logits(hidden).cpu()
         return dict(zip(chunks, logits.split(q_lens)))
 
 
