@@ -56,19 +56,26 @@ def time_ms(
     The caller prepares ``n_inputs`` independent input sets (see ``rotation_count``) so that
     consecutive calls do not find their operands in L2 from the previous call; warm-up calls
     (compilation, autotuning, allocator growth) are excluded. On CUDA each call is bracketed by
-    device events, so host launch overhead between calls is not counted; elsewhere the wall
-    clock is used, which is only good for exercising this function in tests.
+    device events and the timed calls are queued behind a busy-wait kernel, so the events time
+    the kernels rather than the host's launch overhead; elsewhere the wall clock is used, which
+    is only good for exercising this function in tests.
     """
     if n_inputs < 1 or iters < 1 or warmup < 0:
         raise ValueError(f"time_ms: need n_inputs >= 1, iters >= 1, warmup >= 0; got {n_inputs}, {iters}, {warmup}")
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    host_s_per_call = 0.0
     for i in range(warmup):
+        if i == 1:  # the first call compiles; time the host side of the others
+            t0 = time.perf_counter()
         fn(i % n_inputs)
+    if warmup >= 2:
+        host_s_per_call = (time.perf_counter() - t0) / (warmup - 1)
     _synchronize(device)
     if device.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        _keep_device_busy(1.5 * iters * host_s_per_call)
         for i in range(iters):
             starts[i].record()
             fn(i % n_inputs)
@@ -82,6 +89,18 @@ def time_ms(
             fn(i % n_inputs)
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+# Cycles per second used to turn a wait into torch.cuda._sleep cycles; H200 boosts to 1.98 GHz,
+# and a slower clock only makes the wait longer, which is harmless.
+_GPU_CYCLES_PER_S = 2.0e9
+
+
+def _keep_device_busy(seconds: float) -> None:
+    """Occupy the stream for ``seconds`` so the host can enqueue the timed calls back to back."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None and seconds > 0:
+        sleep(int(min(seconds, 1.0) * _GPU_CYCLES_PER_S))
 
 
 def rotation_count(bytes_per_input: int, device: torch.device, limit: int = 64) -> int:
@@ -210,3 +229,22 @@ def _insert_block(doc_path: Path, block: str) -> None:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text(text)
+
+
+def self_check() -> None:
+    """`python bench/harness.py` on the GPU: our timer beside Triton's do_bench on known work."""
+    device = require_gpu()
+    from triton.testing import do_bench
+
+    print(f"{environment_line(device)}\ncopy bandwidth: {copy_bandwidth_gbs(device):.0f} GB/s (read + write)")
+    src, dst = (torch.empty(64 << 20, device=device).uniform_() for _ in range(2))  # 256 MiB each
+    x, y, z = (torch.randn(4096, device=device) for _ in range(3))
+    cases = {"copy 256 MiB": lambda: dst.copy_(src), "add 4096 floats": lambda: torch.add(x, y, out=z)}
+    for name, work in cases.items():
+        ours = time_ms(lambda _: work(), warmup=10, iters=200, device=device)
+        theirs = do_bench(work, return_mode="median")
+        print(f"{name}: time_ms {ours:.4f} ms, triton do_bench {theirs:.4f} ms")
+
+
+if __name__ == "__main__":
+    self_check()
