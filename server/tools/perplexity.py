@@ -123,7 +123,7 @@ def measure_perplexity(
         try:
             out = engine.generate(window, params)
         except RequestRejected as exc:
-            raise PerplexityError(f"the engine refused a window of {ctx} tokens: {exc}; try a smaller --ctx") from exc
+            raise PerplexityError(f"the engine refused a window of {ctx} tokens: {exc}") from exc
         if out.error or out.prompt_logprobs is None:
             reason = out.error or "no prompt logprobs"
             raise RuntimeError(f"window {i + 1}: engine failed ({out.finish_reason}): {reason}")
