@@ -100,3 +100,16 @@ def test_cli_missing_file_fails_before_loading_the_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "server", "perplexity", "--file", str(tmp_path / "nope.txt")],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "nope.txt: no such file" in proc.stderr, proc.stderr
+
+
+def test_a_kv_pool_too_small_for_one_window_is_a_clear_error(engine, text):
+    from server.runtime.engine import Engine
+    from server.runtime.models.loader import LoadedModel
+
+    same_model = LoadedModel(engine.model, engine.tokenizer, engine.model_config, engine.model_name, "reused")
+    small = Engine(EngineConfig(device="cpu", dtype="float32", kv_cache_memory=1 << 20, max_model_len=256), same_model)
+    try:
+        with pytest.raises(PerplexityError, match=r"refused a window of 64 tokens: .*--kv-cache-memory"):
+            measure_perplexity(small, text, ctx=CTX)
+    finally:
+        small.shutdown()
