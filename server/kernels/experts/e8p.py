@@ -90,13 +90,14 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     if x.ndim != 2 or x.shape[1] != 8:
         raise ValueError(f"e8p.encode expects [n, 8] vectors, got {tuple(x.shape)}")
     out = [_encode_chunk(x[i : i + _CHUNK].float()) for i in range(0, x.shape[0], _CHUNK)]
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.int16)
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int16, device=x.device)
 
 
 def _encode_chunk(x: torch.Tensor) -> torch.Tensor:
-    table = abs_table()
+    dev = x.device
+    table = abs_table().to(dev)
     row_norm = (table * table).sum(1)
-    row_parity = abs_row_odd().long()  # a row with odd sum needs an odd number of negative coordinates
+    row_parity = abs_row_odd().to(dev).long()  # a row with odd sum needs an odd number of negative coordinates
     best_cost, best_code = None, None
     for p, shift in ((0, 0.25), (1, -0.25)):
         y = x - shift
@@ -109,7 +110,7 @@ def _encode_chunk(x: torch.Tensor) -> torch.Tensor:
         cost, row = cost.min(1)
         flip = mismatch.gather(1, row[:, None])[:, 0]
         flip_k = flip_at.gather(1, row[:, None])[:, 0]
-        negative = neg ^ (flip[:, None] & (torch.arange(8)[None] == flip_k[:, None]))
+        negative = neg ^ (flip[:, None] & (torch.arange(8, device=dev)[None] == flip_k[:, None]))
         code = _code_from(row, negative, p)
         if best_cost is None:
             best_cost, best_code = cost, code
@@ -122,8 +123,8 @@ def _encode_chunk(x: torch.Tensor) -> torch.Tensor:
 def _code_from(row: torch.Tensor, negative: torch.Tensor, p: int) -> torch.Tensor:
     """Invert the decode rule: which sign byte s gives these negative coordinates and shift parity p."""
     flips = negative.long()
-    flips[:, 7] ^= abs_row_odd()[row].long()  # decode negates the last coordinate of odd rows itself
-    f = (flips << torch.arange(8)).sum(1)  # even popcount by construction
+    flips[:, 7] ^= abs_row_odd().to(row.device)[row].long()  # decode negates the last coordinate of odd rows
+    f = (flips << torch.arange(8, device=row.device)).sum(1)  # even popcount by construction
     s = f ^ p  # p = 1 flips bit 0, making popcount(s) odd: decode reads p back from it
     return (row << 8) | s
 
@@ -165,13 +166,13 @@ def decode_residual(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
 
 def encode_residual(r: torch.Tensor) -> torch.Tensor:
     """r [n, 8] (what e8p left over) -> [n] uint8 codes of the nearest point of residual_table()/RESIDUAL_SCALE."""
-    table = residual_table()
+    table = residual_table().to(r.device)
     scaled = r.float() * RESIDUAL_SCALE
     out = []
     for i in range(0, scaled.shape[0], _CHUNK * 8):
         part = scaled[i : i + _CHUNK * 8]
         out.append(((table * table).sum(1)[None] - 2 * part @ table.T).argmin(1))
-    return torch.cat(out).to(torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
+    return torch.cat(out).to(torch.uint8) if out else torch.empty(0, dtype=torch.uint8, device=r.device)
 
 
 def encode3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

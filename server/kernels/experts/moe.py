@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 DECODE_BLOCK_M = 16  # pairs per block when experts see a few tokens (tl.dot's smallest M)
 PREFILL_BLOCK_M = 64
 _FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+tile_override: tuple[int, int, int, int] | None = None  # (BLOCK_N, BLOCK_K, warps, stages): benchmark sweeps only
 
 
 @functools.cache
@@ -99,6 +100,9 @@ def launch_expert_gemm(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
 
 def _tile_shape(fmt: str, block_m: int, n: int, k: int, num_e: int, num_pairs: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages). q formats take one GGUF block per K step."""
+    if tile_override is not None:
+        bn, bk, warps, stages = tile_override
+        return bn, (K_UNIT[fmt] if fmt in ("q1_0", "q2_0") else bk), warps, stages
     if fmt in ("q1_0", "q2_0"):
         block_k = K_UNIT[fmt]
     else:

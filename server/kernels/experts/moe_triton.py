@@ -84,6 +84,16 @@ def _qblock_levels(code_ptrs, mask, BITS: tl.constexpr, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
+def _qblock_product(a, k0, rows, row_mask, w_ptr, d_ptr, stride_wn, stride_dn, BITS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One GGUF block per K step (BLOCK_K == block): integer levels through the dot, d on the result."""
+    offs_b = k0 * BITS // 8 + tl.arange(0, BLOCK_K * BITS // 8)
+    lv = _qblock_levels(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], row_mask[:, None], BITS, BLOCK_N, BLOCK_K)
+    d = tl.load(d_ptr + rows * stride_dn + k0 // BLOCK_K, mask=row_mask, other=0.0).to(tl.float32)
+    return _dot(a, lv, IEEE) * d[None, :]
+
+
+@triton.jit
 def _tile_product(a, k0, rows, row_mask, K, w_ptr, aux_ptr, table_ptr, rtable_ptr, stride_wn, stride_xn,
                   FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """a [M, BLOCK_K] · W[rows, k0:k0+BLOCK_K]ᵀ for one expert (pointers at the expert), row scale excluded."""
@@ -92,13 +102,10 @@ def _tile_product(a, k0, rows, row_mask, K, w_ptr, aux_ptr, table_ptr, rtable_pt
         w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         return _dot(a, w.to(tl.float32), IEEE)
-    elif FORMAT == Q1_0 or FORMAT == Q2_0:
-        bits: tl.constexpr = 1 if FORMAT == Q1_0 else 2
-        offs_b = k0 * bits // 8 + tl.arange(0, BLOCK_K * bits // 8)  # BLOCK_K is one GGUF block
-        lv = _qblock_levels(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], row_mask[:, None],
-                            bits, BLOCK_N, BLOCK_K)
-        d = tl.load(aux_ptr + rows * stride_xn + k0 // BLOCK_K, mask=row_mask, other=0.0).to(tl.float32)
-        return _dot(a, lv, IEEE) * d[None, :]
+    elif FORMAT == Q1_0:
+        return _qblock_product(a, k0, rows, row_mask, w_ptr, aux_ptr, stride_wn, stride_xn, 1, BLOCK_N, BLOCK_K, IEEE)
+    elif FORMAT == Q2_0:
+        return _qblock_product(a, k0, rows, row_mask, w_ptr, aux_ptr, stride_wn, stride_xn, 2, BLOCK_N, BLOCK_K, IEEE)
     else:
         g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         gmask = row_mask[:, None] & (g < K // 8)[None, :]

@@ -1,0 +1,209 @@
+"""Quantized-expert MoE kernels vs a bf16 `torch.bmm` MoE over the same experts (`python bench/kernels.py experts`).
+
+Shapes (issue 5): D=6144, I=2048, 64 experts, top-8 (decode at 1, 4, 8, 32 tokens; prefill at 512
+and 4096 tokens) and Mixtral-like D=4096, I=14336, 8 experts, top-2 (decode). Weights are random
+valid codes (any code decodes to a codebook point), so no quantizer runs on the GPU; a correctness
+check compares the Triton op with the float32 reference on bf16 inputs before anything is timed.
+
+Routing puts each case's tokens on experts [g·m, (g+1)·m) for input set g, so the bf16 baseline can
+`bmm` a contiguous slice of the expert stack (no gather copy) and consecutive timed calls read
+different experts (nothing left in L2). "ours" is the full op (routing, rotations, two fused
+kernels, top-k sum); the "kernels only" rows time the two fused launches alone, whose packed
+weight bytes are the bandwidth numerator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.harness import Row, time_ms
+from server.kernels.experts import moe
+from server.kernels.experts.moe_reference import fused_moe_reference
+from server.kernels.experts.routing import align_pairs
+from server.kernels.experts.weights import ExpertWeights, random_signs, rotation_group
+
+FORMATS = ("e8p", "e8p3", "q2_0", "q1_0")
+DEEP = dict(d=6144, i=2048, experts=64, top_k=8)
+MIXTRAL = dict(d=4096, i=14336, experts=8, top_k=2)
+
+
+def random_weights(fmt: str, e: int, n: int, k: int, device, gen: torch.Generator) -> ExpertWeights:
+    """Random valid codes with realistic scales (rows of unit-variance outputs for unit inputs)."""
+    def rint(high, shape, dtype):
+        return torch.randint(0, high, shape, generator=gen, device=device, dtype=torch.int32).to(dtype)
+
+    scale = torch.full((e, n), 1.0 / k**0.5, dtype=torch.float16, device=device)
+    if fmt == "bf16":
+        w = torch.randn((e, n, k), generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
+        return ExpertWeights(fmt, (e, n, k), {"weight": w})
+    if fmt in ("e8p", "e8p3"):
+        t = {"codes": rint(1 << 16, (e, n, k // 8), torch.int32).to(torch.int16), "scale": scale}
+        if fmt == "e8p3":
+            t["residual"] = rint(256, (e, n, k // 8), torch.uint8)
+    else:
+        block, bits = (128, 1) if fmt == "q1_0" else (64, 2)
+        t = {"codes": rint(256, (e, n, k * bits // 8), torch.uint8),
+             "d": torch.full((e, n, k // block), 1.0 / k**0.5, dtype=torch.float16, device=device)}
+    group = rotation_group(k)
+    return ExpertWeights(fmt, (e, n, k), t, random_signs(group, seed=n + k), group)
+
+
+def routing_for(tokens: int, shape: dict, group: int, device, gen) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(ids, weights, first expert, experts used): distinct experts per token from input set ``group``.
+
+    While tokens·top_k <= experts every routed expert gets exactly one token and the sets use
+    disjoint experts; beyond that tokens pick top_k of all experts at random.
+    """
+    e, k = shape["experts"], shape["top_k"]
+    if tokens * k <= e:
+        m = tokens * k
+        first = (group % (e // m)) * m
+        ids = (torch.randperm(m, generator=gen, device=device) + first).view(tokens, k)
+    else:
+        m, first = e, 0
+        ids = torch.rand((tokens, e), generator=gen, device=device).topk(k, dim=1).indices
+    w = torch.softmax(torch.randn((tokens, k), generator=gen, device=device), -1)
+    return ids, w, first, m
+
+
+def bf16_bmm_moe(x, ids, w, gate_up: torch.Tensor, down: torch.Tensor, first: int, m: int) -> torch.Tensor:
+    """Baseline: tokens padded per expert, bmm over the contiguous experts [first, first + m)."""
+    top_k = ids.shape[1]
+    local = (ids - first).reshape(-1)
+    order = torch.argsort(local)
+    counts = torch.bincount(local, minlength=m)
+    cmax = int(counts.max())  # pad every expert to the busiest one
+    slot = torch.arange(local.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[local[order]]
+    xp = torch.zeros((m, cmax, x.shape[1]), dtype=x.dtype, device=x.device)
+    xp[local[order], slot] = x[order // top_k]
+    gu = torch.bmm(xp, gate_up[first:first + m].transpose(1, 2))
+    i = gu.shape[-1] // 2
+    h = F.silu(gu[..., :i]) * gu[..., i:]
+    out = torch.bmm(h, down[first:first + m].transpose(1, 2))
+    y = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+    y.index_add_(0, order // top_k, out[local[order], slot].float() * w.reshape(-1)[order, None])
+    return y.to(x.dtype)
+
+
+def check_correctness(device) -> list[str]:
+    """Fast vs reference on bf16 inputs at real widths (decode and prefill shapes); raises on mismatch."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    lines = []
+    for fmt in ("bf16", *FORMATS):
+        for d, i, e, top_k, tokens in ((6144, 2048, 16, 8, 3), (4096, 1408, 8, 2, 300)):
+            gu = random_weights(fmt, e, 2 * i, d, device, gen)
+            dn = random_weights(fmt, e, d, i, device, gen)
+            x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
+            ids = torch.rand((tokens, e), generator=gen, device=device).topk(top_k, 1).indices
+            ids[0, 1] = ids[0, 0]  # one token routed twice to one expert
+            w = torch.rand((tokens, top_k), generator=gen, device=device)
+            fast = moe.fused_moe_triton(x, w, ids, gu, dn).float()
+            ref = fused_moe_reference(x.float(), w, ids, gu, dn)
+            err = ((fast - ref).norm() / ref.norm()).item()
+            lines.append(f"{fmt} D={d} I={i} T={tokens}: rel err {err:.2e}")
+            if not err < 2e-2:  # bf16 activations and bf16 h between the kernels
+                raise AssertionError(f"fast experts kernel disagrees with the reference: {lines[-1]}")
+    return lines
+
+
+def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> list[Row]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    d, i, e = shape["d"], shape["i"], shape["experts"]
+    base_gu = torch.randn((e, 2 * i, d), generator=gen, device=device, dtype=torch.bfloat16) / d**0.5
+    base_dn = torch.randn((e, d, i), generator=gen, device=device, dtype=torch.bfloat16) / i**0.5
+    rows = []
+    for fmt in FORMATS:
+        gu = random_weights(fmt, e, 2 * i, d, device, gen)
+        dn = random_weights(fmt, e, d, i, device, gen)
+        for tokens in token_counts:
+            sets = []
+            for g in range(8):
+                ids, w, first, m = routing_for(tokens, shape, g, device, gen)
+                x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
+                sets.append((x, w, ids, first))
+            n_sets = min(8, e // m)
+            used = sets[0][2].unique().numel()
+            ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn), n_inputs=n_sets, device=device)
+            base = time_ms(lambda j: bf16_bmm_moe(sets[j][0], sets[j][2], sets[j][1], base_gu, base_dn, sets[j][3], m),
+                           n_inputs=n_sets, device=device)
+            kernels = [_prepared_kernels(s, gu, dn) for s in sets[:n_sets]]
+            k_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+            nbytes = gu.packed_bytes(used) + dn.packed_bytes(used)
+            case = f"{label} {fmt} decode T={tokens} ({used} experts)"
+            rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + kernels)"))
+            rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm", "two fused launches"))
+    return rows
+
+
+def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights):
+    x, w, ids, _ = s
+    top_k = ids.shape[1]
+    blocks = align_pairs(ids, gu.shape[0], moe.choose_block_m(ids.numel(), gu.shape[0]))
+    xr = gu.rotate_input(x).contiguous()
+    h = torch.empty((ids.numel(), gu.shape[1] // 2), dtype=x.dtype, device=x.device)
+    y = torch.empty((ids.numel(), gu.shape[2]), dtype=torch.float32, device=x.device)
+    routing = w.reshape(-1).float().contiguous()
+
+    def run():
+        moe.launch_expert_gemm(xr, h, blocks, gu, dual=True, a_row_div=top_k)
+        moe.launch_expert_gemm(h, y, blocks, dn, routing=routing)
+
+    return run
+
+
+def _prefill_rows(copy_gbs, device) -> list[Row]:
+    gen = torch.Generator(device=device).manual_seed(2)
+    d, i, e, top_k = DEEP["d"], DEEP["i"], DEEP["experts"], DEEP["top_k"]
+    base_gu = torch.randn((e, 2 * i, d), generator=gen, device=device, dtype=torch.bfloat16) / d**0.5
+    base_dn = torch.randn((e, d, i), generator=gen, device=device, dtype=torch.bfloat16) / i**0.5
+    rows = []
+    for tokens in (512, 4096):
+        x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
+        ids = torch.rand((tokens, e), generator=gen, device=device).topk(top_k, 1).indices
+        w = torch.softmax(torch.randn((tokens, top_k), generator=gen, device=device), -1)
+        base = time_ms(lambda _: bf16_bmm_moe(x, ids, w, base_gu, base_dn, 0, e), warmup=3, iters=10, device=device)
+        flops = 2 * tokens * top_k * 3 * d * i
+        for fmt in FORMATS:
+            gu = random_weights(fmt, e, 2 * i, d, device, gen)
+            dn = random_weights(fmt, e, d, i, device, gen)
+            ours = time_ms(lambda _: moe.fused_moe_triton(x, w, ids, gu, dn), warmup=3, iters=10, device=device)
+            tflops = flops / (ours * 1e-3) / 1e12
+            rows.append(Row(f"deep {fmt} prefill T={tokens}", ours, base, None, "bf16 bmm",
+                            f"{tflops:.0f} TFLOP/s (bf16 bmm {flops / (base * 1e-3) / 1e12:.0f})"))
+    return rows
+
+
+SWEEP = ((32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (16, 256, 4, 4), (32, 128, 2, 4))
+
+
+def sweep_decode_tiles(device) -> None:
+    """Print kernel-only times of the decode launch shape for a few tiles (informs moe._tile_shape)."""
+    for shape, label in ((DEEP, "deep"), (MIXTRAL, "mixtral")):
+        gen = torch.Generator(device=device).manual_seed(3)
+        for fmt in ("e8p", "q2_0"):
+            gu = random_weights(fmt, shape["experts"], 2 * shape["i"], shape["d"], device, gen)
+            dn = random_weights(fmt, shape["experts"], shape["d"], shape["i"], device, gen)
+            sets = []
+            for g in range(8):
+                ids, w, first, m = routing_for(1, shape, g, device, gen)
+                x = torch.randn((1, shape["d"]), generator=gen, device=device, dtype=torch.bfloat16)
+                sets.append((x, w, ids, first))
+            n_sets = min(8, shape["experts"] // m)
+            nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+            for tile in SWEEP:
+                moe.tile_override = tile
+                kernels = [_prepared_kernels(s, gu, dn) for s in sets[:n_sets]]
+                ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                print(f"sweep {label} {fmt} T=1 tile {tile}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
+            moe.tile_override = None
+
+
+def run(device: torch.device, copy_gbs: float):
+    for line in check_correctness(device):
+        print("correctness:", line)
+    sweep_decode_tiles(device)
+    rows = _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 4, 8, 32), copy_gbs, device)
+    rows += _decode_rows(MIXTRAL, "mixtral D4096 I14336 E8 top2", (1, 4, 8, 32), copy_gbs, device)
+    rows += _prefill_rows(copy_gbs, device)
+    return "Quantized MoE experts (fused Triton) vs bf16 bmm", rows
