@@ -89,3 +89,18 @@ def greedy(batch: PagedBatch, prompts: dict[str, list[int]], new_tokens: int, ch
             logits[s].append(out)
             last[s] = out[-1]
     return generated, {s: torch.cat(v) for s, v in logits.items()}
+
+
+def assert_matches_reference(ref_model, prompts: dict[str, list[int]], generated, logits, tol: float = 1e-4) -> None:
+    """Our logits at every position are within ``tol`` (relative to the logit scale) of ``ref_model``'s on
+    prompt + generated, and the reference's greedy choice after every prefix is our token -- so the
+    reference's own greedy continuation of each prompt is exactly ours (teacher forcing)."""
+    device = next(ref_model.parameters()).device
+    for seq, prompt in prompts.items():
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([prompt + generated[seq]], device=device)).logits[0, :-1].float().cpu()
+        assert logits[seq].shape == ref.shape
+        err, scale = (logits[seq] - ref).abs().max().item(), ref.abs().max().item()
+        assert err <= tol * scale + tol, f"sequence {seq}: max |logit diff| {err:.3g} (logit scale {scale:.3g})"
+        ref_greedy = ref[len(prompt) - 1 :].argmax(-1).tolist()
+        assert ref_greedy == generated[seq], f"sequence {seq}: greedy tokens differ from the reference"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from paged_batch import PagedBatch, greedy
+from paged_batch import PagedBatch, assert_matches_reference, greedy
 from server.runtime.models.loader import load_model
 from tiny_checkpoints import PROMPTS, VOCAB, make_checkpoint
 
@@ -123,9 +123,4 @@ def test_gguf_matches_transformers(name, tmp_path):
     ours = load_model(path, torch.device("cpu"), torch.float32)
     assert ours.config.architecture == arch
     generated, logits = greedy(PagedBatch(ours.model), PROMPTS, 32)
-    for seq, prompt in PROMPTS.items():
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt + generated[seq]])).logits[0, :-1]
-        err, scale = (logits[seq] - ref).abs().max().item(), ref.abs().max().item()
-        assert err <= 1e-4 * scale + 1e-4, f"{name} {seq}: max |logit diff| {err:.3g}"
-        assert ref[len(prompt) - 1 :].argmax(-1).tolist() == generated[seq], f"{name} {seq}: greedy differs"
+    assert_matches_reference(hf_model, PROMPTS, generated, logits)

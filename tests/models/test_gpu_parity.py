@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_batch import PagedBatch, greedy
+from paged_batch import PagedBatch, assert_matches_reference, greedy
 from server.runtime.models.loader import load_model
 from tiny_checkpoints import PROMPTS, make_checkpoint
 
@@ -27,12 +27,7 @@ def test_float32_on_cuda_matches_transformers(name, tmp_path):
     ours = load_model(str(tmp_path), CUDA, torch.float32).model
     assert ours.embed_tokens.weight.is_cuda and ours.layers[0].self_attn.rotary.inv_freq.is_cuda
     generated, logits = greedy(PagedBatch(ours), PROMPTS, 32)
-    for seq, prompt in PROMPTS.items():
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt + generated[seq]])).logits[0, :-1]
-        err, scale = (logits[seq] - ref).abs().max().item(), ref.abs().max().item()
-        assert err <= 1e-4 * scale + 1e-4, f"{name} {seq}: max |logit diff| {err:.3g}"
-        assert ref[len(prompt) - 1 :].argmax(-1).tolist() == generated[seq]
+    assert_matches_reference(hf_model, PROMPTS, generated, logits)
 
 
 @pytest.mark.parametrize("name", ["llama_llama3_rope", "qwen3"])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from server.runtime.models.loader import load_model
-from paged_batch import PagedBatch, greedy
+from paged_batch import PagedBatch, assert_matches_reference, greedy
 from tiny_checkpoints import CONFIGS, PROMPTS, make_checkpoint
 
 NEW_TOKENS = 32
@@ -19,18 +19,7 @@ NEW_TOKENS = 32
 def assert_matches_transformers(hf_model, path: str, chunk: int | None = None) -> None:
     ours = load_model(path, torch.device("cpu"), torch.float32).model
     generated, logits = greedy(PagedBatch(ours), PROMPTS, NEW_TOKENS, chunk=chunk)
-    for seq, prompt in PROMPTS.items():
-        full = prompt + generated[seq]
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([full])).logits[0, :-1].float()
-        assert logits[seq].shape == ref.shape
-        err = (logits[seq] - ref).abs().max().item()
-        scale = ref.abs().max().item()
-        assert err <= 1e-4 * scale + 1e-4, f"sequence {seq}: max |logit diff| {err:.3g} (logit scale {scale:.3g})"
-        # Teacher-forced: transformers' greedy choice after every prefix equals ours, so its greedy
-        # continuation of the prompt is exactly our 32 tokens.
-        ref_greedy = ref[len(prompt) - 1 :].argmax(-1).tolist()
-        assert ref_greedy == generated[seq], f"sequence {seq}: greedy tokens differ from transformers"
+    assert_matches_reference(hf_model, PROMPTS, generated, logits)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
