@@ -1,0 +1,197 @@
+"""TurboQuant KV kernels vs bf16 (`python bench/kernels.py turbo`).
+
+1. GPU correctness at real sizes in bf16 (printed as PASS/FAIL lines before any timing): the
+   store kernel against the reference quantizer, the fused decode against decode-then-attend
+   and a float32 attention over the dequantized K/V, the rotation kernel against its reference.
+2. Decode attention, 32 query / 8 KV heads, head_dim 128, batch 1/8/32 x context 4K/16K/64K:
+   turbo3 and turbo4 (both kernels: split-K decode + merge with the inverse rotation) against
+   F.scaled_dot_product_attention on contiguous bf16 K/V (the 4 query heads of a KV head as 4
+   query rows, so SDPA reads each KV head once, as ours does). Bandwidth counts the compressed
+   K/V bytes. A small sweep of the decode kernel's tile/warp settings at batch 8, 64K comes first.
+3. Rotation and store kernels against the device copy bandwidth.
+
+Turbo pages are filled with random codes and norms for timing (every byte is a valid code);
+the correctness part writes real K/V through the store kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.harness import Row, rotation_count, time_ms
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.rotation import rotate_reference, rotate_triton
+from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
+from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
+from server.kernels.turbo.store import TurboKVStore
+
+PAGE = 16
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SWEEP = ((64, 8), (32, 4), (128, 8))  # (block_n, num_warps) tried at batch 8, 64K; the first is the default
+BATCHES, CONTEXTS = (1, 8, 32), (4096, 16384, 65536)
+CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
+    (128, 4, "turbo3", "turbo3", [4099, 1000, 17, 1]), (128, 4, "turbo4", "turbo3", [16384, 33]),
+    (64, 3, "turbo4", "turbo2", [2000, 16, 15]), (256, 2, "turbo3", "turbo4", [1500, 2]),
+]
+ROTATION_ROWS, STORE_TOKENS = 1 << 19, 32768
+
+
+def _meta(seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    device = tables.device
+    n = len(seq_lens)
+    return AttentionMetadata(
+        torch.zeros(0, dtype=torch.long, device=device), tables,
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        torch.arange(n + 1, dtype=torch.int32, device=device), list(seq_lens), [1] * n,
+    )
+
+
+def _filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, device, gen):
+    """A store holding real K/V for every sequence (written by the store kernel) in shuffled pages."""
+    pages = [-(-n // PAGE) for n in seq_lens]
+    store = TurboKVStore(sum(pages), PAGE, kv_heads, head_dim, k_kind, v_kind, device, torch.bfloat16)
+    order = torch.randperm(sum(pages), generator=gen).to(device)
+    tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
+    kv = []
+    start = 0
+    for s, n in enumerate(seq_lens):
+        tables[s, : pages[s]] = order[start : start + pages[s]].int()
+        start += pages[s]
+        pos = torch.arange(n, device=device)
+        slots = tables[s, pos // PAGE].long() * PAGE + pos % PAGE
+        k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.3).to(device, torch.bfloat16)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
+        store.write(k, v, slots)
+        kv.append((k, v, slots))
+    return store, tables, kv
+
+
+def check_correctness(device: torch.device) -> list[str]:
+    """Fast paths vs references in bf16 at real sizes; returns the failures (also printed)."""
+    gen = torch.Generator().manual_seed(0)
+    failures = []
+
+    def verdict(name: str, ok: bool, detail: str) -> None:
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        if not ok:
+            failures.append(name)
+
+    x = torch.randn(4096, 256, generator=gen).to(device)
+    for group in (64, 128):
+        diff = (rotate_triton(x, group) - rotate_reference(x, group)).abs().max().item()
+        verdict(f"rotation G={group} fp32", diff == 0.0, f"max |triton - reference| = {diff:.3g} (want bit-identical)")
+
+    for head_dim, gqa, k_kind, v_kind, lens in CHECK_CASES:
+        name = f"D={head_dim} GQA={gqa} K={k_kind} V={v_kind} lens={lens}"
+        store, tables, kv = _filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen)
+        k, v, slots = kv[0]
+        for label, pages, kind, src in (("K", store.k, k_kind, k), ("V", store.v, v_kind, v)):
+            codes, norms = quantize_reference(src, kind)
+            got = pages.codes[slots // PAGE, :, slots % PAGE]
+            mism = (unpack_indices(got, pages.bits, head_dim) != unpack_indices(codes, pages.bits, head_dim)).float().mean().item()
+            nerr = ((pages.norms[slots // PAGE, :, slots % PAGE].float() - norms.float()).abs() / norms.float().clamp_min(1e-6)).max().item()
+            verdict(f"store {label} {name}", mism < 1e-3 and nerr < 2e-3, f"index mismatch {mism:.2e}, norm rel err {nerr:.2e}")
+        meta = _meta(lens, tables)
+        q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
+        scale = head_dim**-0.5
+        fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt).float()
+        reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale).float()
+        err = (fused - reference).abs().max().item() / reference.abs().max().item()
+        verdict(f"decode {name}", err < 2e-2, f"max |fused - reference| / max |reference| = {err:.2e}")
+    return failures
+
+
+def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
+    """One row per (block_n, num_warps) config of our decode on random pages of this shape."""
+    layout = RowLayout(kind, HEAD_DIM)
+    pages_per_seq = ctx // PAGE
+    turbo_bytes = batch * ctx * KV_HEADS * 2 * layout.bytes_per_head
+    n_inputs = rotation_count(turbo_bytes, device)
+    num_pages = n_inputs * batch * pages_per_seq
+    store = TurboKVStore(1, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
+    for pages in (store.k, store.v):  # random bytes are valid codes; norms around a realistic size
+        pages.codes = torch.randint(0, 256, (num_pages, KV_HEADS, PAGE, layout.row_bytes), dtype=torch.uint8, device=device)
+        pages.norms = (torch.rand(num_pages, KV_HEADS, PAGE, 1, device=device) * 4 + 8).half()
+    perm = torch.randperm(num_pages, device=device).int().reshape(n_inputs, batch, pages_per_seq)
+    metas = [_meta([ctx] * batch, perm[i].contiguous()) for i in range(n_inputs)]
+    qs = [torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
+    scale = HEAD_DIM**-0.5
+
+    def ours(i, block_n, num_warps):
+        return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
+                                       block_n=block_n, num_warps=num_warps)
+
+    rows = []
+    for block_n, num_warps in configs:
+        ms = time_ms(lambda i: ours(i, block_n, num_warps), n_inputs=n_inputs, device=device)
+        rows.append(Row(f"decode {kind} b{batch} ctx{ctx // 1024}K", ms, bytes_moved=turbo_bytes,
+                        note=f"BLOCK_N={block_n}, {num_warps} warps"))
+    return rows
+
+
+def _sdpa_ms(batch: int, ctx: int, device) -> float:
+    bf16_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+    n_inputs = rotation_count(bf16_bytes, device)
+    kvs = [(torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16),
+            torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16)) for _ in range(n_inputs)]
+    q = torch.randn(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ms = time_ms(lambda i: F.scaled_dot_product_attention(q, *kvs[i]), n_inputs=n_inputs, device=device)
+    del kvs
+    return ms
+
+
+def _rotation_and_store_rows(device) -> list[Row]:
+    rows = []
+    x = torch.randn(ROTATION_ROWS, 128, device=device, dtype=torch.bfloat16)
+    copy_dst = torch.empty_like(x)
+    copy_ms = time_ms(lambda _: copy_dst.copy_(x), device=device)
+    for group in (64, 128):
+        ms = time_ms(lambda _: rotate_triton(x, group), device=device)
+        rows.append(Row(f"rotation bf16 G={group}, {x.numel() >> 20}M values", ms, copy_ms, 2 * x.numel() * 2, "copy of the same tensor"))
+    tokens = STORE_TOKENS
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens * 2, device=device)[:tokens]
+    dense_k = torch.empty(tokens * 2, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    dense_v = torch.empty_like(dense_k)
+
+    def dense_write(_):
+        dense_k.index_copy_(0, slots, k)
+        dense_v.index_copy_(0, slots, v)
+
+    dense_ms = time_ms(dense_write, device=device)
+    for kind in ("turbo3", "turbo4"):
+        store = TurboKVStore(tokens * 2 // PAGE, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
+        ms = time_ms(lambda _: store.write(k, v, slots), device=device)
+        moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind) + slots.numel() * 8
+        rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
+                        "bf16 index_copy_ of K and V"))
+    return rows
+
+
+def run(device: torch.device, copy_gbs: float) -> tuple[str, list[Row]]:
+    gen = torch.Generator().manual_seed(0)
+    failures = check_correctness(device)
+    sweep_rows = _decode_case(BATCHES[1], CONTEXTS[-1], "turbo3", device, SWEEP)
+    for row in sweep_rows:
+        row.note += " (sweep)"
+    best = SWEEP[min(range(len(SWEEP)), key=lambda i: sweep_rows[i].ours_ms)]
+    print(f"decode sweep: {[round(r.ours_ms, 4) for r in sweep_rows]} ms for {SWEEP}; using {best}", flush=True)
+    rows = list(sweep_rows)
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            sdpa = _sdpa_ms(batch, ctx, device)
+            for kind in ("turbo3", "turbo4"):
+                (row,) = _decode_case(batch, ctx, kind, device, [best])
+                row.baseline_ms, row.baseline_name = sdpa, "bf16 SDPA (flash)"
+                rows.append(row)
+                print(f"{row.case}: {row.ours_ms:.4f} ms vs SDPA {sdpa:.4f} ms ({row.speedup:.2f}x)", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    rows += _rotation_and_store_rows(device)
+    status = "all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {', '.join(failures)}"
+    return f"TurboQuant KV kernels ({status})", rows
