@@ -63,3 +63,10 @@ def test_transformers4_config_spelling(tmp_path):
     cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert_matches_transformers(hf_model, str(tmp_path))
+
+
+def test_qwen_moe_decoder_sparse_step_mixes_dense_layers(tmp_path):
+    """decoder_sparse_step=2: layer 0 has a dense MLP, layer 1 experts (transformers' Qwen-MoE rule)."""
+    hf_model = make_checkpoint("qwen3_moe", str(tmp_path), decoder_sparse_step=2)
+    assert not hasattr(hf_model.model.layers[0].mlp, "experts") and hasattr(hf_model.model.layers[1].mlp, "experts")
+    assert_matches_transformers(hf_model, str(tmp_path))
