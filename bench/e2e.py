@@ -280,14 +280,14 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
             print(lines[-1], flush=True)
 
 
-def record(block: str, doc: Path) -> None:
-    """Put the dated block first under the "End to end" section (created at the end when missing)."""
+def record(block: str, doc: Path, section: str = SECTION) -> None:
+    """Put the dated block first under ``section`` (created at the end when missing)."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        head, tail = text.split(SECTION, 1)
-        text = head + SECTION + "\n\n" + block + "\n" + tail.lstrip("\n")
+    if section in text:
+        head, tail = text.split(section, 1)
+        text = head + section + "\n\n" + block + "\n" + tail.lstrip("\n")
     else:
-        text = text.rstrip("\n") + "\n\n" + SECTION + "\n\n" + block
+        text = text.rstrip("\n") + "\n\n" + section + "\n\n" + block
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
 
