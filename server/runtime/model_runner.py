@@ -16,6 +16,7 @@ import torch
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.timing import timed
 from server.runtime.cuda_graphs import maybe_capture_decode_graphs
+from server.runtime.host_copy import to_device
 from server.runtime.kv_cache import KVCache
 from server.runtime.sampler import SamplingTensors, sample, token_logprobs
 from server.runtime.scheduler import ScheduledChunk
@@ -88,10 +89,10 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
         # One host-to-device copy for all 1-D inputs (a copy costs more than its bytes here).
         t, s = len(ids), len(chunks)
-        flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64).to(self.device)
+        flat = to_device(torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64), self.device)
         meta = AttentionMetadata(
             slot_mapping=flat[2 * t : 3 * t],
-            block_tables=torch.from_numpy(block_tables).to(self.device),
+            block_tables=to_device(torch.from_numpy(block_tables), self.device),
             seq_lens=flat[3 * t : 3 * t + s].to(torch.int32),
             query_start_loc=flat[3 * t + s :].to(torch.int32),
             seq_lens_cpu=seq_lens,
@@ -114,7 +115,7 @@ class ModelRunner:
         if not inputs.logit_rows:
             return results
         if len(inputs.logit_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(inputs.logit_rows, device=self.device)]
+            hidden = hidden[to_device(torch.tensor(inputs.logit_rows), self.device)]
         with timed("lm_head", self.device):
             logits = self.model.compute_logits(hidden)
         row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
@@ -124,7 +125,7 @@ class ModelRunner:
         if sampling:
             last_rows = [row_of[starts[i] + chunks[i].num_tokens - 1] for i in sampling]
             if len(last_rows) < logits.shape[0]:  # prompt-logprob rows are in there too
-                sample_logits = logits[torch.tensor(last_rows, device=self.device)]
+                sample_logits = logits[to_device(torch.tensor(last_rows), self.device)]
             else:
                 sample_logits = logits
             seqs = [chunks[i].seq for i in sampling]
@@ -143,6 +144,6 @@ class ModelRunner:
         """Logprob of prompt token p+1 given tokens 0..p, for each prompt position p of the chunk."""
         seq = chunk.seq
         n = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1) - chunk.start
-        targets = torch.tensor(seq.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + n], device=self.device)
+        targets = to_device(torch.tensor(seq.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + n]), self.device)
         logprobs = torch.log_softmax(logits[first : first + n], dim=-1)
         return logprobs.gather(1, targets[:, None]).squeeze(1).tolist()

@@ -1,13 +1,16 @@
 """Turn logits into tokens, with vLLM's semantics.
 
 Order (vLLM v1): penalties on the raw logits -> greedy argmax, or temperature -> min-p ->
-top-k -> top-p -> a seeded exponential race. Logprobs are always taken from the raw
-model logits, as OpenAI and vLLM report them.
+top-k -> top-p -> an exponential race. Logprobs are always taken from the raw model
+logits, as OpenAI and vLLM report them.
 
-Seeded noise is counter-based: a row's generator is seeded afresh every step from a hash
-of (seed, step), where step is how many tokens the sequence has generated. A row's noise
-therefore never depends on which other rows share the batch, nor on a preemption and
-recompute in between, and no generator state has to be carried around.
+The race picks argmax(p_i / E_i) with E_i ~ Exp(1), which is token i with probability
+p_i. Its noise is counter-based: E_i is a hash of (seed, step, i), where step is how many
+tokens the sequence has generated. A row's draw therefore never depends on which other
+rows share the batch, nor on a preemption and recompute in between; no generator state
+is carried around, and a whole batch draws its noise in a few kernels. (An inverse-CDF
+draw would be cheaper, but a cumulative sum over the vocabulary turns bf16 logit noise
+between batch shapes into different tokens; the race only compares tokens pairwise.)
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from server.runtime.host_copy import to_device
 from server.runtime.sequence import Sequence, TokenLogprob
 
+_U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
 
 
@@ -29,17 +34,26 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def exponential_noise(seeds: list[int | None], steps: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] Exp(1) draws; row i is a pure function of (seeds[i], steps[i]) on a given device.
-    A row without a seed (a greedy row, which ignores the noise) is left at 1."""
-    generator = torch.Generator(device)
-    noise = torch.ones(len(seeds), vocab_size, device=device)
-    for row, (seed, step) in enumerate(zip(seeds, steps)):
-        if seed is None:
-            continue
-        generator.manual_seed(_splitmix64((_splitmix64(seed & _U64) + step) & _U64))
-        noise[row].exponential_(generator=generator)
-    return noise
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Integer hash of uint32 values held in int64. Odd multipliers below 2**31 keep every
+    product below 2**63, so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _U32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, step: int) -> int:
+    """32 bits naming one (seed, step) draw."""
+    return _splitmix64((_splitmix64(seed & _U64) + step) & _U64) & _U32
+
+
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] Exp(1) draws; entry (b, i) is a pure function of (keys[b], i)."""
+    cols = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))
+    bits = _mix32(keys[:, None] ^ cols[None, :]) >> 8  # 24 bits: exact in float32
+    return -torch.log((bits.float() + 0.5) * (1.0 / (1 << 24)))
 
 
 def apply_penalties(
@@ -92,8 +106,7 @@ class SamplingTensors:
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None  # [B] int64; vocab size when off
-    seeds: list[int | None] | None = None  # None for greedy rows
-    steps: list[int] | None = None  # tokens generated so far
+    keys: torch.Tensor | None = None  # [B] int64: row_key(seed, tokens generated so far)
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after logits
 
     @classmethod
@@ -111,7 +124,8 @@ class SamplingTensors:
             [float(p.greedy), p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p, k]
             for p, k in zip(params, top_k)
         ]
-        floats = torch.tensor(columns, dtype=torch.float32).to(device)  # top_k < 2**24: exact in float32
+        floats = to_device(torch.tensor(columns, dtype=torch.float32), device)  # top_k < 2**24: exact in float32
+        keys = [row_key(s.seed, s.num_generated_tokens) for s in seqs]
         return cls(
             all_greedy=False,
             use_min_p=any(p.min_p > 0 and not p.greedy for p in params),
@@ -121,8 +135,7 @@ class SamplingTensors:
             top_p=floats[:, 2],
             min_p=floats[:, 3],
             top_k=floats[:, 4].long(),
-            seeds=[None if s.params.greedy else s.seed for s in seqs],
-            steps=[s.num_generated_tokens for s in seqs],
+            keys=to_device(torch.tensor(keys, dtype=torch.int64), device),
             penalties=penalties,
         )
 
@@ -136,13 +149,11 @@ def _penalty_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device
             0, torch.tensor(seq.output_token_ids, dtype=torch.int64), torch.ones(seq.num_generated_tokens)
         )
     params = [s.params for s in seqs]
-    return (
-        prompt_mask.to(device),
-        output_counts.to(device),
-        torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
+    factors = torch.tensor(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dtype=torch.float32
     )
+    factors = to_device(factors, device)
+    return to_device(prompt_mask, device), to_device(output_counts, device), factors[:, 0], factors[:, 1], factors[:, 2]
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -158,8 +169,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.use_top_k_top_p:
         logits = mask_top_k_top_p(logits, st.top_k, st.top_p)
     probs = torch.softmax(logits, dim=-1)
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i.
-    sampled = (probs / exponential_noise(st.seeds, st.steps, logits.shape[1], logits.device)).argmax(dim=-1)
+    sampled = (probs / exponential_noise(st.keys, logits.shape[1])).argmax(dim=-1)
     return torch.where(st.greedy, greedy, sampled)
 
 
@@ -169,7 +179,7 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, num_top: list
     out: list[TokenLogprob | None] = [None] * len(num_top)
     if not wanted:
         return out
-    rows = torch.tensor(wanted, device=raw_logits.device)
+    rows = to_device(torch.tensor(wanted), raw_logits.device)
     logprobs = torch.log_softmax(raw_logits[rows].float(), dim=-1)
     chosen = logprobs.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
     token_ids = tokens.tolist()

@@ -12,6 +12,7 @@ from server.runtime.sampler import (
     exponential_noise,
     mask_min_p,
     mask_top_k_top_p,
+    row_key,
     sample,
     token_logprobs,
 )
@@ -95,18 +96,19 @@ def test_greedy_with_penalties_picks_argmax_of_penalized_logits():
     assert sample(logits, SamplingTensors.from_sequences(plain, 4, torch.device("cpu"))).tolist() == [0]
 
 
-def test_exponential_noise_is_a_function_of_seed_and_step():
-    cpu = torch.device("cpu")
-    noise = exponential_noise([5, 5, 6, -3, None], [0, 1, 0, 0, 0], 4000, cpu)
-    assert torch.equal(noise[0], exponential_noise([5], [0], 4000, cpu)[0])
-    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
-    assert not torch.equal(noise[0], noise[3])
-    assert torch.equal(noise[4], torch.ones(4000)), "a greedy row draws nothing"
-    # Exp(1): mean 1 and P(E > 1) = 1/e, within 4 standard errors of 16000 draws.
-    draws = noise[:4].flatten()
-    assert abs(draws.mean().item() - 1.0) < 4 / 16000**0.5
-    frac = (draws > 1).float().mean().item()
-    assert abs(frac - np.exp(-1)) < 4 * (np.exp(-1) * (1 - np.exp(-1)) / 16000) ** 0.5
+def test_exponential_noise_is_a_function_of_seed_step_and_token():
+    keys = torch.tensor([row_key(5, 0), row_key(5, 1), row_key(6, 0), row_key(-3, 0), row_key(2**70, 0)])
+    assert len(set(keys.tolist())) == 5, "different (seed, step) pairs must name different draws"
+    noise = exponential_noise(keys, 4000)
+    assert torch.equal(noise[0], exponential_noise(keys[:1], 4000)[0])
+    # Exp(1): mean 1 and P(E > 1) = 1/e, within 4 standard errors of 20000 draws.
+    draws = noise.flatten().double()
+    assert abs(draws.mean().item() - 1.0) < 4 / 20000**0.5
+    frac = (draws > 1).double().mean().item()
+    assert abs(frac - np.exp(-1)) < 4 * (np.exp(-1) * (1 - np.exp(-1)) / 20000) ** 0.5
+    # Neighbouring tokens and neighbouring steps are not correlated.
+    for a, b in ((noise[0, :-1], noise[0, 1:]), (noise[0], noise[1])):
+        assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 0.05
 
 
 def test_seeded_sampling_follows_the_filtered_distribution():

@@ -1,0 +1,16 @@
+"""Host-to-device copies that do not stall the step.
+
+A copy from ordinary (pageable) memory makes PyTorch wait for the GPU to drain; from pinned
+memory it is queued behind the running kernels and the host moves on. Pinned blocks come
+from PyTorch's caching host allocator, which keeps a block alive until its copy is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
