@@ -18,6 +18,7 @@ from torch import nn
 
 from server.kernels.backend import use_triton
 from server.kernels.paged_kv import AttentionMetadata, KVLayerStore
+from server.kernels.timing import timed
 from server.runtime.models.config import ModelConfig
 from server.runtime.models.rope import RotaryEmbedding
 
@@ -49,13 +50,17 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        with timed("gate_up_proj", x.device):
+            gate_up = self.gate_up_proj(x)
         if use_triton(gate_up):
             from server.kernels.swiglu import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            act = silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        with timed("down_proj", x.device):
+            return self.down_proj(act)
 
 
 class Attention(nn.Module):
@@ -74,7 +79,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
+        with timed("qkv_proj", x.device):
+            qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
             dim=-1,
         )
@@ -86,7 +93,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         kv.write(k, v, meta.slot_mapping)
         out = kv.attend(q, meta, self.scale)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        with timed("o_proj", x.device):
+            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
