@@ -13,6 +13,7 @@ from server.kernels import timing
 def timing_off_afterwards():
     yield
     timing.set_sample_rate(0.0)
+    timing._pending.clear()  # fake events left by a failed test must not block the next one
 
 
 def kernel_name() -> str:
@@ -96,3 +97,83 @@ def test_exception_inside_a_timed_call_propagates_and_is_still_timed():
         with timing.timed(kernel, "cpu"):
             raise RuntimeError("boom")
     assert timed_count(kernel) == 1
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: the test decides when the device 'finishes' it."""
+
+    clock_ms = 0.0
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.at, self.done = None, False
+
+    def record(self):
+        self.at = FakeEvent.clock_ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert self.done and end.done, "elapsed_time on an unfinished event would block (or fail) on a GPU"
+        return end.at - self.at
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    capturing = [False]
+    monkeypatch.setattr(timing.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(timing.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    return capturing
+
+
+def cuda_timed_count(kernel: str) -> float:
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name == "turboserve_kernel_duration_seconds_count" and s.labels.get("kernel") == kernel:
+                return s.value
+    return 0.0
+
+
+def test_cuda_events_are_read_on_a_later_step_without_waiting(fake_cuda):
+    kernel = kernel_name()
+    timing.set_sample_rate(1.0)
+    with timing.timed(kernel, "cuda:0"):
+        FakeEvent.clock_ms += 3.0  # the launch takes 3 ms of device time
+    end = timing._pending[-1][3]
+    timing.begin_step()
+    assert cuda_timed_count(kernel) == 0, "an unfinished event must stay pending, not be waited for"
+    end.done = timing._pending[-1][2].done = True
+    timing.begin_step()
+    assert cuda_timed_count(kernel) == 1
+    total = REGISTRY.get_sample_value(
+        "turboserve_kernel_duration_seconds_sum",
+        {"model_name": _model_label(kernel), "kernel": kernel, "device": "cuda:0"},
+    )
+    assert total == pytest.approx(0.003)
+
+
+def test_flush_waits_for_pending_events(fake_cuda):
+    kernel = kernel_name()
+    timing.set_sample_rate(1.0)
+    for _ in range(3):
+        with timing.timed(kernel, "cuda:0"):
+            FakeEvent.clock_ms += 1.0
+    for _, _, start, _ in timing._pending:
+        start.done = True
+    timing.flush()
+    assert cuda_timed_count(kernel) == 3 and not timing._pending
+
+
+def test_no_events_are_recorded_into_a_cuda_graph_capture(fake_cuda):
+    kernel = kernel_name()
+    timing.set_sample_rate(1.0)
+    fake_cuda[0] = True
+    with timing.timed(kernel, "cuda:0"):
+        pass
+    assert not timing._pending
+    timing.flush()
+    assert cuda_timed_count(kernel) == 0
