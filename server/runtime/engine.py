@@ -253,7 +253,8 @@ class Engine:
         if total > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
-                f"({len(prompt)} in the prompt, {params.max_tokens} to generate); shorten the prompt or lower max_tokens",
+                f"({len(prompt)} in the prompt, {params.max_tokens} to generate); "
+                "shorten the prompt or lower max_tokens",
                 param="max_tokens" if len(prompt) < self.max_model_len else "prompt",
                 code="context_length_exceeded",
             )

@@ -137,7 +137,8 @@ class KVCache:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         missing = self.pages_for(num_tokens) - len(seq.block_table)
         if missing > len(self.free_pages):
-            raise RuntimeError(f"KV pool exhausted: {seq.request_id} needs {missing} pages, {len(self.free_pages)} free")
+            free = len(self.free_pages)
+            raise RuntimeError(f"KV pool exhausted: {seq.request_id} needs {missing} pages, {free} free")
         for _ in range(missing):
             seq.block_table.append(self.free_pages.popleft())
 

@@ -173,7 +173,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return torch.where(st.greedy, greedy, sampled)
 
 
-def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprob | None]:
+def token_logprobs(
+    raw_logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]
+) -> list[TokenLogprob | None]:
     """Logprob of each chosen token and its row's ``num_top`` best alternatives (None: not asked)."""
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     out: list[TokenLogprob | None] = [None] * len(num_top)

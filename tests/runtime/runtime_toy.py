@@ -158,7 +158,8 @@ class Collector:
             ok = self._all_done.wait_for(
                 lambda: all(o and o[-1].finished for o in self.outputs.values()), timeout=timeout
             )
-        assert ok, f"requests did not finish within {timeout}s: {[k for k, o in self.outputs.items() if not (o and o[-1].finished)]}"
+        unfinished = [k for k, o in self.outputs.items() if not (o and o[-1].finished)]
+        assert ok, f"requests did not finish within {timeout}s: {unfinished}"
         return {
             rid: Finished(
                 token_ids=[t for o in outs for t in o.token_ids],

@@ -61,7 +61,8 @@ def mixed_batch(target_params: SamplingParams) -> dict[str, tuple[list[int], Sam
     last, so its row in the batch moves as the others finish."""
     requests = {}
     for i, n in enumerate((1, 40, 7, 29, 3, 55, 17)):
-        requests[f"other{i}"] = (prompt(n, salt=i + 2), SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
+        requests[f"other{i}"] = (prompt(n, salt=i + 2), params)
     requests["target"] = (prompt(13, salt=1), target_params)
     return requests
 
@@ -111,7 +112,9 @@ def test_preempted_sequences_resume_identically_and_free_every_page(loaded):
     requests = {
         f"r{i}": (
             prompt(6 + 5 * i, salt=i),
-            SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True, prompt_logprobs=i == 2),
+            SamplingParams(
+                max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True, prompt_logprobs=i == 2
+            ),
         )
         for i in range(6)
     }
@@ -154,7 +157,8 @@ def test_abort_mid_prefill_and_mid_decode_frees_all_pages(loaded):
     tick = collector.callback("ticker")
     try:
         engine.submit("ticker", prompt(1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), ticker)
-        engine.submit("decoding", prompt(2), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), collector.callback("decoding"))
+        long_decode = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        engine.submit("decoding", prompt(2), long_decode, collector.callback("decoding"))
         engine.submit("long", prompt(100), GREEDY, collector.callback("long"))
         results = collector.wait()
         assert 0 < seen["long"] < 100
@@ -247,7 +251,8 @@ def test_stop_token_ids_eos_and_stop_strings(loaded):
     try:
         free_run = engine.generate(prompt(6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).token_ids
         stop_at = 5
-        stopped = engine.generate(prompt(6), SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[free_run[stop_at]]))
+        by_id = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[free_run[stop_at]])
+        stopped = engine.generate(prompt(6), by_id)
         first = free_run.index(free_run[stop_at])
         assert stopped.token_ids == free_run[: first + 1] and stopped.finish_reason == "stop"
 
@@ -265,9 +270,21 @@ def test_stop_token_ids_eos_and_stop_strings(loaded):
         full_text = loaded.tokenizer.decode(free_run)
         stop_str = full_text[4:6]  # "Y\u00a7": ASCII then a 2-byte character, three tokens
         assert len(stop_str.encode()) == 3, "the model changed: pick a stop string spanning tokens again"
-        by_string = engine.generate(prompt(6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop_str]))
+        by_str = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop_str])
+        by_string = engine.generate(prompt(6), by_str)
         assert by_string.finish_reason == "stop"
         assert by_string.text == full_text[: full_text.index(stop_str)]
         assert EOS not in by_string.token_ids
     finally:
         engine.shutdown()
+
+
+def test_shutdown_ends_live_requests_with_abort_and_refuses_new_ones(loaded):
+    engine = make_engine(loaded, max_num_batched_tokens=4)
+    collector = Collector()
+    engine.submit("live", prompt(100), SamplingParams(max_tokens=300, ignore_eos=True), collector.callback("live"))
+    engine.shutdown()
+    assert collector.wait()["live"].finish_reason == "abort"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages and not engine.is_alive()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.submit("late", prompt(3), GREEDY, lambda out: None)

@@ -29,7 +29,8 @@ def chat(engine, question: str) -> list[int]:
 
 
 def test_smollm2_answers_and_stops_at_its_end_of_turn(engine):
-    out = engine.generate(chat(engine, "What is the capital of France?"), SamplingParams(max_tokens=24, temperature=0.0))
+    question = chat(engine, "What is the capital of France?")
+    out = engine.generate(question, SamplingParams(max_tokens=24, temperature=0.0))
     assert out.text == "The capital of France is Paris.", out.text  # transformers' own reply (ENVIRONMENT.md)
     assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.eos_token_ids
 
