@@ -52,7 +52,8 @@ def test_full_queue_answers_503_with_retry_after(strict_server):
             "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=strict_server.v1, headers=AUTH, timeout=60) as http:
         with http.stream("POST", "/chat/completions", json=long) as running:
-            next(line for line in running.iter_lines() if '"content":"' in line and '"role"' not in line)
+            lines = running.iter_lines()  # held: a closed line iterator would close the connection
+            next(line for line in lines if '"content":"' in line and '"role"' not in line)
             with http.stream("POST", "/chat/completions", json=long) as waiting:  # fills the queue of one
                 assert waiting.status_code == 200
                 refused = http.post("/chat/completions", json={**long, "stream": False})

@@ -42,13 +42,14 @@ def test_disconnect_mid_stream_frees_every_page(api_server):
     with httpx.Client(base_url=api_server.v1, timeout=60) as http:
         with http.stream("POST", "/chat/completions", json=_long_request(stream=True)) as response:
             assert response.status_code == 200
+            lines = response.iter_lines()  # held: a closed line iterator would close the connection
             events = 0
-            for line in response.iter_lines():
+            for line in lines:
                 events += line.startswith("data:")
                 if events == 4:  # the role chunk and three tokens
                     break
             assert metric(api_server, "turboserve_kv_pages_used") > 0
-        # leaving the block closed the connection mid-stream
+        # leaving the block closes the connection mid-stream
     assert wait_for_free_pages(api_server, timeout_s=5) < 5
     assert httpx.get(api_server.base_url + "/health").status_code == 200
 
