@@ -93,7 +93,8 @@ def launch_expert_gemm(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
             main.stride(0), main.stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
             scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
             FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
-            BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
+            BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            IEEE=a.dtype == torch.float32,
             num_warps=warps, num_stages=stages,
         )
 

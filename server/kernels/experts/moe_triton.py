@@ -27,12 +27,12 @@ from server.kernels.experts.e8p import RESIDUAL_SCALE
 
 FORMAT_IDS = {"e8p": 0, "e8p3": 1, "q1_0": 2, "q2_0": 3, "bf16": 4}
 K_UNIT = {"e8p": 8, "e8p3": 8, "q1_0": 128, "q2_0": 64, "bf16": 1}  # BLOCK_K must be a multiple
-E8P: tl.constexpr = 0
-E8P3: tl.constexpr = 1
-Q1_0: tl.constexpr = 2
-Q2_0: tl.constexpr = 3
-BF16: tl.constexpr = 4
-RESIDUAL_FACTOR: tl.constexpr = 1.0 / (2.0 * RESIDUAL_SCALE)  # 2·r tiles -> r / 2.04
+E8P = tl.constexpr(FORMAT_IDS["e8p"])
+E8P3 = tl.constexpr(FORMAT_IDS["e8p3"])
+Q1_0 = tl.constexpr(FORMAT_IDS["q1_0"])
+Q2_0 = tl.constexpr(FORMAT_IDS["q2_0"])
+BF16 = tl.constexpr(FORMAT_IDS["bf16"])
+RESIDUAL_FACTOR = tl.constexpr(1.0 / (2.0 * RESIDUAL_SCALE))  # 2·r tiles -> r / 2.04
 
 
 @triton.jit
@@ -45,9 +45,12 @@ def _dot(a, w_nk, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _e8p_tile4(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _e8p_tile4(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K / 8] codes -> [BLOCK_N, BLOCK_K] int32 tile of 4·w (spec decode rule)."""
-    c = tl.load(codes_ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    if EVEN_K:
+        c = tl.load(codes_ptrs).to(tl.int32) & 0xFFFF
+    else:
+        c = tl.load(codes_ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
     s = c & 0xFF
     p = s ^ (s >> 4)
     p = p ^ (p >> 2)
@@ -62,18 +65,21 @@ def _e8p_tile4(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
-def _residual_tile2(res_ptrs, mask, rtable_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _residual_tile2(res_ptrs, mask, rtable_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K / 8] residual codes -> [BLOCK_N, BLOCK_K] int32 tile of 2·r."""
-    r = tl.load(res_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
+    if EVEN_K:
+        r = tl.load(res_ptrs).to(tl.int32) & 0xFF
+    else:
+        r = tl.load(res_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
     word = tl.load(rtable_ptr + r)
     k8 = tl.arange(0, 8)[None, None, :]
     return tl.reshape(((word[:, :, None] >> (4 * k8)) & 15) - 4, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _qblock_levels(code_ptrs, mask, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _qblock_levels(code_ptrs, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N, 16] code bytes of one q1_0/q2_0 block -> [BLOCK_N, BLOCK_K] int32 levels (LSB first)."""
-    b = tl.load(code_ptrs, mask=mask, other=0).to(tl.int32)
+    b = tl.load(code_ptrs).to(tl.int32)
     j = tl.arange(0, 8 // BITS)[None, None, :]
     c = (b[:, :, None] >> (BITS * j)) & ((1 << BITS) - 1)
     if BITS == 1:
@@ -84,43 +90,47 @@ def _qblock_levels(code_ptrs, mask, BITS: tl.constexpr, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
-def _qblock_product(a, k0, rows, row_mask, w_ptr, d_ptr, stride_wn, stride_dn, BITS: tl.constexpr,
+def _qblock_product(a, k0, rows, w_ptr, d_ptr, stride_wn, stride_dn, BITS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """One GGUF block per K step (BLOCK_K == block): integer levels through the dot, d on the result."""
     offs_b = k0 * BITS // 8 + tl.arange(0, BLOCK_K * BITS // 8)
-    lv = _qblock_levels(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], row_mask[:, None], BITS, BLOCK_N, BLOCK_K)
-    d = tl.load(d_ptr + rows * stride_dn + k0 // BLOCK_K, mask=row_mask, other=0.0).to(tl.float32)
+    lv = _qblock_levels(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], BITS, BLOCK_N, BLOCK_K)
+    d = tl.load(d_ptr + rows * stride_dn + k0 // BLOCK_K).to(tl.float32)
     return _dot(a, lv, IEEE) * d[None, :]
 
 
 @triton.jit
-def _tile_product(a, k0, rows, row_mask, K, w_ptr, aux_ptr, table_ptr, rtable_ptr, stride_wn, stride_xn,
-                  FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """a [M, BLOCK_K] · W[rows, k0:k0+BLOCK_K]ᵀ for one expert (pointers at the expert), row scale excluded."""
+def _tile_product(a, k0, rows, K, w_ptr, aux_ptr, table_ptr, rtable_ptr, stride_wn, stride_xn,
+                  FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """a [M, BLOCK_K] · W[rows, k0:k0+BLOCK_K]ᵀ for one expert (pointers at the expert), row scale excluded.
+
+    ``rows`` are clamped into the matrix, so weight loads need no row mask (surplus rows are
+    dropped at the store); q formats always have whole blocks, EVEN_K drops the K mask.
+    """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if FORMAT == BF16:
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :],
-                    mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
         return _dot(a, w.to(tl.float32), IEEE)
     elif FORMAT == Q1_0:
-        return _qblock_product(a, k0, rows, row_mask, w_ptr, aux_ptr, stride_wn, stride_xn, 1, BLOCK_N, BLOCK_K, IEEE)
+        return _qblock_product(a, k0, rows, w_ptr, aux_ptr, stride_wn, stride_xn, 1, BLOCK_N, BLOCK_K, IEEE)
     elif FORMAT == Q2_0:
-        return _qblock_product(a, k0, rows, row_mask, w_ptr, aux_ptr, stride_wn, stride_xn, 2, BLOCK_N, BLOCK_K, IEEE)
+        return _qblock_product(a, k0, rows, w_ptr, aux_ptr, stride_wn, stride_xn, 2, BLOCK_N, BLOCK_K, IEEE)
     else:
         g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        gmask = row_mask[:, None] & (g < K // 8)[None, :]
+        gmask = (g < K // 8)[None, :]
         part = _dot(a, _e8p_tile4(w_ptr + rows[:, None] * stride_wn + g[None, :], gmask, table_ptr,
-                                  BLOCK_N, BLOCK_K), IEEE) * 0.25
+                                  BLOCK_N, BLOCK_K, EVEN_K), IEEE) * 0.25
         if FORMAT == E8P3:
             part += _dot(a, _residual_tile2(aux_ptr + rows[:, None] * stride_xn + g[None, :], gmask, rtable_ptr,
-                                            BLOCK_N, BLOCK_K), IEEE) * RESIDUAL_FACTOR
+                                            BLOCK_N, BLOCK_K, EVEN_K), IEEE) * RESIDUAL_FACTOR
         return part
 
 
 @triton.jit
-def _row_scaled(acc, rows, row_mask, scale_ptr, stride_sn, FORMAT: tl.constexpr):
+def _row_scaled(acc, rows, scale_ptr, stride_sn, FORMAT: tl.constexpr):
     if FORMAT == E8P or FORMAT == E8P3:
-        s = tl.load(scale_ptr + rows * stride_sn, mask=row_mask, other=0.0).to(tl.float32)
+        s = tl.load(scale_ptr + rows * stride_sn).to(tl.float32)
         acc = acc * s[None, :]
     return acc
 
@@ -131,15 +141,17 @@ def _expert_gemm(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
                  N, K, num_pairs, stride_am, stride_om,
                  stride_we, stride_wn, stride_xe, stride_xn, stride_se, stride_sn,
                  FORMAT: tl.constexpr, DUAL: tl.constexpr, ROUTED: tl.constexpr, A_ROW_DIV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 IEEE: tl.constexpr):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return  # a padding block past the last expert's pairs
     pairs = tl.load(pair_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     pmask = pairs < num_pairs
-    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
+    # Padding pairs and surplus rows read real (clamped) data and are dropped at the store.
+    a_ptrs = a_ptr + (tl.minimum(pairs, num_pairs - 1) // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
+    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(out_rows, N - 1)
     e64 = expert.to(tl.int64)
     w_e = w_ptr + e64 * stride_we
     x_e = aux_ptr + e64 * stride_xe
@@ -147,18 +159,21 @@ def _expert_gemm(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs + (k0 + offs_k)[None, :], mask=pmask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
-        acc += _tile_product(a, k0, rows, row_mask, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn, stride_xn,
-                             FORMAT, BLOCK_N, BLOCK_K, IEEE)
+        if EVEN_K:
+            a = tl.load(a_ptrs + (k0 + offs_k)[None, :])
+        else:
+            a = tl.load(a_ptrs + (k0 + offs_k)[None, :], mask=((k0 + offs_k) < K)[None, :], other=0.0)
+        acc += _tile_product(a, k0, rows, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn, stride_xn,
+                             FORMAT, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
         if DUAL:  # up rows sit N below the gate rows; same pass, same activation tile
-            acc_up += _tile_product(a, k0, rows + N, row_mask, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn,
-                                    stride_xn, FORMAT, BLOCK_N, BLOCK_K, IEEE)
+            acc_up += _tile_product(a, k0, rows + N, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn,
+                                    stride_xn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
     s_e = scale_ptr + e64 * stride_se
-    val = _row_scaled(acc, rows, row_mask, s_e, stride_sn, FORMAT)
+    val = _row_scaled(acc, rows, s_e, stride_sn, FORMAT)
     if DUAL:
-        up = _row_scaled(acc_up, rows + N, row_mask, s_e, stride_sn, FORMAT)
+        up = _row_scaled(acc_up, rows + N, s_e, stride_sn, FORMAT)
         val = val * tl.sigmoid(val) * up
     if ROUTED:
         val = val * tl.load(routing_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    tl.store(out, val.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & row_mask[None, :])
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + out_rows[None, :]
+    tl.store(out, val.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & (out_rows < N)[None, :])
