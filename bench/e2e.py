@@ -281,11 +281,14 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
 
 
 def record(block: str, doc: Path, section: str = SECTION) -> None:
-    """Put the dated block first under ``section`` (created at the end when missing)."""
+    """Put the dated block first among ``section``'s blocks, after its intro text (section created when missing)."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if section in text:
-        head, tail = text.split(section, 1)
-        text = head + section + "\n\n" + block + "\n" + tail.lstrip("\n")
+    if section + "\n" in text:
+        head, tail = text.split(section + "\n", 1)
+        section_end = tail.find("\n## ") + 1 or len(tail)  # the next top-level heading, or the end
+        first_block = tail.find("\n### ", 0, section_end)
+        at = section_end if first_block < 0 else first_block + 1
+        text = head + section + "\n" + tail[:at].rstrip("\n") + "\n\n" + block + "\n" + tail[at:].lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n\n" + block
     doc.parent.mkdir(parents=True, exist_ok=True)
