@@ -14,7 +14,7 @@ from tiny_checkpoints import write_tokenizer
 
 # A Llama-3-like template: writes BOS itself, loops, conditionals, raise_exception, whitespace control.
 TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
+    "{{ bos_token }}{{ {'b': [1, 'é'], 'a': none} | tojson(sort_keys=true) }}{% for m in messages %}"
     "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
     "{{ m['role'] }}: {{ m['content'] | trim }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
@@ -47,7 +47,7 @@ def test_chat_template_renders_like_transformers(tmp_path, where, generation_pro
         MESSAGES, add_generation_prompt=generation_prompt, tokenize=False
     )
     assert ours == ref
-    assert ours.startswith("t1system: t5 t6t2\n")
+    assert ours.startswith('t1{"a": null, "b": [1, "é"]}system: t5 t6t2\n')
 
 
 def test_template_errors_and_missing_template_are_clear(tmp_path):

@@ -51,6 +51,11 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level_gpt2
 
 
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Templates print tool schemas with it; non-ASCII stays readable, as transformers renders it.
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _render_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -75,7 +80,7 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _render_error
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
