@@ -107,9 +107,9 @@ def test_decode_matches_reference_and_oracle(head_dim, group):
     assert_close(fast, reference, tolerance(dtype), "Triton decode vs reference")
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 8, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 16])
 def test_decode_any_split_count_gives_the_same_answer(num_splits):
-    # 64 splits of a 1..100-token context leave most splits empty: they must weigh nothing.
+    # 16 splits of a 1..100-token context leave most splits empty: they must weigh nothing.
     q, k_pages, v_pages, meta = make_batch(EDGE_LENS, [1] * len(EDGE_LENS), 4, 2, 64, torch.float32, seed=1)
     expected = oracle(q, k_pages, v_pages, meta, 0.125)
     fast = paged_decode(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, 0.125, num_splits)
