@@ -34,3 +34,57 @@ def test_graphs_need_stores_that_declare_themselves_graph_safe():
     stores = [DenseKVStore(2, 16, 1, 8, torch.float32, "cpu"), UndeclaredStore()]
     reason = graphs_unavailable_reason(torch.device("cpu"), stores)
     assert "UndeclaredStore" in reason and "cuda_graph_safe" in reason, reason
+
+
+def test_replay_pads_with_rows_that_touch_no_page(monkeypatch):
+    # CUDA graphs need a GPU, but everything around the replay does not: a stand-in "graph" that re-runs the
+    # captured call on the static buffers checks the copying, the padding rows (slot -1, seq_len 0) and the
+    # launch plan taken from the capture-time hint, on the Triton fast path through the interpreter.
+    from server.kernels import paged_kv
+    from server.kernels.paged_kv import AttentionMetadata
+    from server.runtime.cuda_graphs import DecodeGraphs
+    from server.runtime.models import llama, rope
+    from server.runtime.models.config import ModelConfig
+
+    for module in (paged_kv, llama, rope):
+        monkeypatch.setattr(module, "use_triton", lambda t: True)
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = llama.CausalLM(cfg).eval()
+    page, width, num_pages = 4, 8, 24
+    stores = [DenseKVStore(num_pages, page, 2, 8, torch.float32, "cpu") for _ in range(2)]
+    for store in stores:
+        store.k_pages.normal_()
+        store.v_pages.normal_()
+
+    class RerunGraph:
+        def __init__(self, graphs, n):
+            self.graphs, self.n = graphs, n
+
+        def replay(self):
+            self.graphs.outputs[self.n].copy_(self.graphs._forward(self.n))
+
+    graphs = DecodeGraphs(model, stores, 4, width, 256, torch.device("cpu"))
+    with torch.inference_mode():
+        for n in graphs.sizes:
+            graphs.outputs[n] = graphs._forward(n)
+            graphs.graphs[n] = RerunGraph(graphs, n)
+        lens = [3, 9, 14]  # three rows replay the size-4 "graph" with one padding row
+        tables = torch.tensor([[0, 1, 2, 3, 0, 0, 0, 0], [7, 5, 6, 0, 0, 0, 0, 0], [11, 10, 9, 8, 0, 0, 0, 0]],
+                              dtype=torch.int32)  # fmt: skip
+        slots = torch.tensor([int(tables[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)])
+        meta = AttentionMetadata(slots, tables, torch.tensor(lens, dtype=torch.int32),
+                                 torch.arange(4, dtype=torch.int32), lens, [1, 1, 1])  # fmt: skip
+        ids, positions = torch.tensor([4, 8, 15]), torch.tensor([n - 1 for n in lens])
+        before = stores[0].k_pages.clone()
+        assert graphs.can_run(ids, meta)
+        replayed = graphs.run(ids, positions, meta).clone()
+        written = (stores[0].k_pages != before).flatten(2).any(-1)  # [pages, page_size]
+        eager = model.forward(ids, positions, stores, meta)
+    assert replayed.shape == eager.shape == (3, 32)
+    assert (replayed - eager).abs().max() <= 1e-4, "replay with a padding row differs from the eager step"
+    assert sorted(int(s) for s in written.flatten().nonzero()) == sorted(slots.tolist()), "a padding row wrote"
