@@ -25,7 +25,7 @@ from server.runtime.detokenizer import IncrementalDetokenizer
 from server.runtime.kv_cache import (
     KVCache, KVLayout, bits_per_value, bytes_per_token, default_budget_bytes, resolve_kv_kinds,
 )  # fmt: skip
-from server.runtime.model_runner import ChunkResult, ModelRunner
+from server.runtime.model_runner import ChunkResult, LaunchedStep, ModelRunner
 from server.runtime.scheduler import ScheduledChunk, Scheduler
 from server.runtime.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -116,6 +116,9 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self._requests: dict[str, Sequence] = {}  # live requests, submit() until finished
+        self._unpublished: list[tuple[Sequence, int, bool]] = []  # (seq, token, ended by it), see step()
+        self._in_flight: set[Sequence] = set()  # sequences of the step whose kernels are running
+        self._deferred_release: list[Sequence] = []  # ended while in flight: pages return after it
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics = EngineMetrics(self.model_name)
@@ -272,7 +275,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                while not (
+                    self._stopping or self._inbox or self._aborts or self._unpublished or self.scheduler.has_work()
+                ):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -280,6 +285,8 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
             for seq in inbox:
                 self.scheduler.add(seq)
+            if aborts:
+                self._publish()  # tokens already produced go out before the abort
             for request_id in aborts:
                 if request_id in self._requests:
                     self._finish(self._requests[request_id], "abort")
@@ -287,21 +294,39 @@ class Engine:
                 self.step()
             except Exception as exc:  # a bug outside the model call: fail everyone rather than spin
                 log.exception("engine step failed outside the model; failing all live requests")
+                self._release_deferred()
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._finish(seq, "error", error=f"internal engine error: {exc!r}")
+        self._publish()
         with self._cond:
             live = list(self._requests.values())
         for seq in live:
             self._finish(seq, "abort")
 
     def step(self) -> None:
+        """One step: launch it, publish the previous step's outputs while the device works
+        (detokenization and callbacks are host work that would otherwise leave it idle), then
+        take this step's tokens."""
         timing.begin_step()
         started, preemptions = time.monotonic(), self.scheduler.num_preemptions
         chunks = self.scheduler.schedule()
         for chunk in chunks:
             chunk.seq.timeline.on_scheduled(started)
+        self._in_flight = {chunk.seq for chunk in chunks}
+        launched, failure = None, None
         if chunks:
-            self._run(chunks)
+            try:
+                launched = self.runner.launch(chunks)
+            except Exception as exc:
+                failure = exc
+        self._publish()
+        if chunks:
+            results = self._collect(chunks, launched, failure)
+            self._release_deferred()
+            for chunk, result in zip(chunks, results):
+                self._advance(chunk, result)
+        if not self.scheduler.has_work():
+            self._publish()  # no step follows to hide it behind
         self.metrics.on_step(
             seconds=time.monotonic() - started, cuda_graph=self.runner.used_cuda_graph,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -309,21 +334,16 @@ class Engine:
             pages_used=self.kv_cache.num_used_pages,
         )  # fmt: skip
 
-    def _run(self, chunks: list[ScheduledChunk]) -> None:
-        try:
-            results: list[ChunkResult | Exception] = list(self.runner.execute(chunks))
-        except Exception as exc:
-            log.warning("step of %d sequences failed (%r); retrying each alone to find the culprit", len(chunks), exc)
-            results = [self._execute_alone(chunk) for chunk in chunks]
-        for chunk, result in zip(chunks, results):
-            if isinstance(result, Exception):
-                self._finish(chunk.seq, "error", error=f"model step failed: {result!r}")
-                continue
+    def _collect(
+        self, chunks: list[ScheduledChunk], launched: LaunchedStep | None, failure: Exception | None
+    ) -> list[ChunkResult | Exception]:
+        if failure is None:
             try:
-                self._advance(chunk, result)
+                return self.runner.collect(launched)
             except Exception as exc:
-                log.exception("post-processing %s failed", chunk.seq.request_id)
-                self._finish(chunk.seq, "error", error=f"post-processing failed: {exc!r}")
+                failure = exc
+        log.warning("step of %d sequences failed (%r); retrying each alone to find the culprit", len(chunks), failure)
+        return [self._execute_alone(chunk) for chunk in chunks]
 
     def _execute_alone(self, chunk: ScheduledChunk) -> ChunkResult | Exception:
         # Safe to redo: a chunk writes only its own sequence's slots, with the same values.
@@ -333,8 +353,14 @@ class Engine:
             log.exception("sequence %s fails on its own", chunk.seq.request_id)
             return exc
 
-    def _advance(self, chunk: ScheduledChunk, result: ChunkResult) -> None:
+    def _advance(self, chunk: ScheduledChunk, result: ChunkResult | Exception) -> None:
+        """Take one chunk's result: the cheap part, so the next step can be scheduled at once."""
         seq, params = chunk.seq, chunk.seq.params
+        if seq.finish_reason is not None:  # ended (a stop string) while this step ran
+            return
+        if isinstance(result, Exception):
+            self._finish(seq, "error", error=f"model step failed: {result!r}")
+            return
         seq.num_computed_tokens += chunk.num_tokens
         if result.prompt_logprobs is not None:
             seq.prompt_logprobs.extend(result.prompt_logprobs)
@@ -345,33 +371,68 @@ class Engine:
         seq.timeline.on_tokens(1, seq.num_prompt_tokens)
         if result.logprob is not None:
             seq.logprobs.append(result.logprob)
+        by_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        if by_token or seq.num_generated_tokens >= params.max_tokens:
+            self._end(seq, "stop" if by_token else "length")
+        self._unpublished.append((seq, token, by_token))
+
+    def _publish(self) -> None:
+        """Text, stop strings and outputs of the tokens the last step produced."""
+        items, self._unpublished = self._unpublished, []
+        for seq, token, by_token in items:
+            if seq.final_output_sent:  # aborted or failed since; its final output went out
+                continue
+            try:
+                self._publish_token(seq, token, by_token)
+            except Exception as exc:
+                log.exception("post-processing %s failed", seq.request_id)
+                self._finish(seq, "error", error=f"post-processing failed: {exc!r}")
+
+    def _publish_token(self, seq: Sequence, token: int, by_token: bool) -> None:
         detok = seq.detokenizer
-        reason = None
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            text, reason = detok.finish(), "stop"  # the stop token's own text is not output
+        if by_token:
+            text = detok.finish()  # the stop token's own text is not output
         else:
             text = detok.add_token(token)
-            if detok.stopped:
-                reason = "stop"
-            elif seq.num_generated_tokens >= params.max_tokens:
-                text, reason = text + detok.finish(), "length"
-        if reason is None:
-            self._emit(seq, [token], text, finished=False)
-        else:
-            self._finish(seq, reason, token_ids=[token], text=text)
+            if detok.stopped and seq.finish_reason is None:
+                self._end(seq, "stop")
+            elif detok.stopped:
+                seq.finish_reason = "stop"  # a stop string beats max_tokens on the same token (vLLM)
+            elif seq.finish_reason is not None:
+                text += detok.finish()
+        self._emit(seq, [token], text, finished=seq.finish_reason is not None)
 
-    def _finish(self, seq: Sequence, reason: str, token_ids=(), text: str = "", error: str | None = None) -> None:
-        """Free the pages at once, then send the final output."""
-        if seq.is_finished:
-            return
-        if seq.block_table:
-            self.metrics.kv.on_request_freed(len(seq.block_table))
-        seq.timeline.on_finished(reason)
-        self.scheduler.remove(seq)
+    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """No more steps for ``seq``. Its pages return now, or right after the step in flight
+        that may still write them."""
         seq.finish_reason, seq.error = reason, error
+        if seq in self._in_flight:
+            self._deferred_release.append(seq)
+        else:
+            self._release(seq)
         with self._cond:
             self._requests.pop(seq.request_id, None)
-        self._emit(seq, list(token_ids), text, finished=True)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.metrics.kv.on_request_freed(len(seq.block_table))
+        self.scheduler.remove(seq)
+
+    def _release_deferred(self) -> None:
+        self._in_flight = set()
+        for seq in self._deferred_release:
+            self._release(seq)
+        self._deferred_release = []
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End ``seq`` now (abort, error) and send its final output."""
+        if seq.final_output_sent:
+            return
+        if seq.finish_reason is None:
+            self._end(seq, reason, error)
+        else:  # ended by a token whose output has not gone out yet; this reason replaces it
+            seq.finish_reason, seq.error = reason, error
+        self._emit(seq, [], "", finished=True)
 
     def _emit(self, seq: Sequence, token_ids: list[int], text: str, finished: bool) -> None:
         prompt_logprobs = None
@@ -390,6 +451,9 @@ class Engine:
             num_generated_tokens=seq.num_generated_tokens,
         )
         seq.logprobs = []
+        if finished:
+            seq.final_output_sent = True
+            seq.timeline.on_finished(seq.finish_reason)
         try:
             seq.on_output(out)
         except Exception:

@@ -8,7 +8,7 @@ last row, and every prompt row of a chunk whose request asked for prompt logprob
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,19 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: list[int]  # rows of the flat batch whose logits are computed
     row_starts: list[int]  # first row of each chunk (host copy of query_start_loc)
+
+
+@dataclass
+class LaunchedStep:
+    """Device tensors of a step whose kernels may still be running."""
+
+    chunks: list[ScheduledChunk]
+    row_starts: list[int]
+    logits: torch.Tensor | None = None  # [rows with logits, V] float32
+    row_of: dict[int, int] = field(default_factory=dict)  # batch row -> row of logits
+    sampling: list[int] = field(default_factory=list)  # chunks that sample
+    sample_logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # [len(sampling)] int64
 
 
 @dataclass
@@ -107,37 +120,49 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        return self.collect(self.launch(chunks))
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        """Queue the step's kernels (forward, logits, sampling) without waiting for them."""
         inputs = self.prepare(chunks)
         hidden = self.forward(inputs)
-        results = [ChunkResult() for _ in chunks]
+        step = LaunchedStep(chunks, inputs.row_starts)
         if not inputs.logit_rows:
-            return results
+            return step
         if len(inputs.logit_rows) < hidden.shape[0]:
             hidden = hidden[to_device(torch.tensor(inputs.logit_rows), self.device)]
         with timed("lm_head", self.device):
-            logits = self.model.compute_logits(hidden)
-        row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
-        starts = inputs.row_starts
-
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        if sampling:
-            last_rows = [row_of[starts[i] + chunks[i].num_tokens - 1] for i in sampling]
-            if len(last_rows) < logits.shape[0]:  # prompt-logprob rows are in there too
-                sample_logits = logits[to_device(torch.tensor(last_rows), self.device)]
+            step.logits = self.model.compute_logits(hidden)
+        step.row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
+        step.sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if step.sampling:
+            last_rows = [step.row_of[step.row_starts[i] + chunks[i].num_tokens - 1] for i in step.sampling]
+            if len(last_rows) < step.logits.shape[0]:  # prompt-logprob rows are in there too
+                step.sample_logits = step.logits[to_device(torch.tensor(last_rows), self.device)]
             else:
-                sample_logits = logits
-            seqs = [chunks[i].seq for i in sampling]
+                step.sample_logits = step.logits
+            seqs = [chunks[i].seq for i in step.sampling]
             with timed("sampling", self.device):
-                tokens = sample(sample_logits, SamplingTensors.from_sequences(seqs, logits.shape[1], self.device))
-            logprobs = token_logprobs(sample_logits, tokens, [s.params.logprobs for s in seqs])
-            for i, token, logprob in zip(sampling, tokens.tolist(), logprobs):
-                results[i].token, results[i].logprob = token, logprob
+                tensors = SamplingTensors.from_sequences(seqs, step.logits.shape[1], self.device)
+                step.tokens = sample(step.sample_logits, tensors)
+        return step
 
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> list[ChunkResult]:
+        """Wait for a launched step and read its tokens (and logprobs) back to the host."""
+        chunks = step.chunks
+        results = [ChunkResult() for _ in chunks]
+        if step.tokens is not None:
+            seqs = [chunks[i].seq for i in step.sampling]
+            logprobs = token_logprobs(step.sample_logits, step.tokens, [s.params.logprobs for s in seqs])
+            for i, token, logprob in zip(step.sampling, step.tokens.tolist(), logprobs):
+                results[i].token, results[i].logprob = token, logprob
         for i, chunk in enumerate(chunks):
             if wants_prompt_logprobs(chunk):
-                results[i].prompt_logprobs = self._prompt_logprobs(chunk, logits, row_of[starts[i]])
+                first = step.row_of[step.row_starts[i]]
+                results[i].prompt_logprobs = self._prompt_logprobs(chunk, step.logits, first)
         return results
 
     def _prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor, first: int) -> list[float]:

@@ -89,7 +89,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set when it ends; its final output may follow a step later
+        self.final_output_sent = False
         self.error: str | None = None
         self.logprobs: list[TokenLogprob] = []  # not yet sent to the client
         self.prompt_logprobs: list[float | None] | None = [None] if params.prompt_logprobs else None
@@ -112,10 +113,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
