@@ -160,6 +160,8 @@ class Collector:
             )
         unfinished = [k for k, o in self.outputs.items() if not (o and o[-1].finished)]
         assert ok, f"requests did not finish within {timeout}s: {unfinished}"
+        for rid, outs in self.outputs.items():
+            assert [o.finished for o in outs].count(True) == 1, f"{rid}: the final output must come exactly once"
         return {
             rid: Finished(
                 token_ids=[t for o in outs for t in o.token_ids],

@@ -274,6 +274,9 @@ def test_stop_token_ids_eos_and_stop_strings(loaded):
         by_string = engine.generate(prompt(6), by_str)
         assert by_string.finish_reason == "stop"
         assert by_string.text == full_text[: full_text.index(stop_str)]
+        completing = next(k for k in range(1, 13) if stop_str in loaded.tokenizer.decode(free_run[:k]))
+        assert by_string.token_ids == free_run[:completing], "tokens after the stop string leaked out"
+        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
         assert EOS not in by_string.token_ids
     finally:
         engine.shutdown()
