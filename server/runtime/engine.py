@@ -96,8 +96,8 @@ class Engine:
             self.device = resolve_device(config.device)
             dtype = resolve_dtype(config.dtype, self.device)
             loaded = load_model(config.model, self.device, dtype)
-        else:
-            weight = next(loaded.model.parameters())
+        else:  # already on its device, in its compute dtype (quantized weights may be integers)
+            weight = next(p for p in loaded.model.parameters() if p.is_floating_point())
             self.device, dtype = weight.device, weight.dtype
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_name = config.served_model_name or loaded.name

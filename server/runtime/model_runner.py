@@ -71,8 +71,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        # A fixed block-table width keeps decode shapes static per batch size (CUDA graphs).
-        self.max_pages_per_seq = kv_cache.pages_for(max_model_len)
+        self.max_pages_per_seq = kv_cache.pages_for(max_model_len)  # the graphs' block-table width
         self.graphs = maybe_capture_decode_graphs(
             model, kv_cache.stores, max_graph_batch, self.max_pages_per_seq, max_model_len, device
         )
@@ -83,7 +82,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        block_tables = np.zeros((len(chunks), self.max_pages_per_seq), dtype=np.int32)
+        # As wide as this batch needs: the widest (max_model_len) would copy ~1 MB a step at long contexts.
+        width = max(len(c.seq.block_table) for c in chunks)
+        block_tables = np.zeros((len(chunks), width), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             first_row = len(ids)
