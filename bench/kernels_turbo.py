@@ -28,7 +28,7 @@ from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SWEEP = ((64, 8), (32, 4), (128, 8))  # (block_n, num_warps) tried at batch 8, 64K; the first is the default
+SWEEP = ((32, 4), (64, 4), (64, 8), (16, 4))  # (block_n, num_warps) tried at batch 8, 64K; the first is the default
 BATCHES, CONTEXTS = (1, 8, 32), (4096, 16384, 65536)
 CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
     (128, 4, "turbo3", "turbo3", [4099, 1000, 17, 1]), (128, 4, "turbo4", "turbo3", [16384, 33]),
@@ -88,9 +88,14 @@ def check_correctness(device: torch.device) -> list[str]:
         k, v, slots = kv[0]
         for label, pages, kind, src in (("K", store.k, k_kind, k), ("V", store.v, v_kind, v)):
             codes, norms = quantize_reference(src, kind)
-            got = pages.codes[slots // PAGE, :, slots % PAGE]
-            mism = (unpack_indices(got, pages.bits, head_dim) != unpack_indices(codes, pages.bits, head_dim)).float().mean().item()
-            nerr = ((pages.norms[slots // PAGE, :, slots % PAGE].float() - norms.float()).abs() / norms.float().clamp_min(1e-6)).max().item()
+            got = unpack_indices(pages.codes[slots // PAGE, :, slots % PAGE], pages.bits, head_dim)
+            want = unpack_indices(codes, pages.bits, head_dim)
+            mism = (got != want).float().mean().item()
+            # An index that moved across a midpoint (float sums in another order) changes ||c||
+            # and so that group's norm; compare norms where every index of the group agrees.
+            same = (got == want).reshape(*got.shape[:-1], norms.shape[-1], -1).all(-1)
+            got_norms = pages.norms[slots // PAGE, :, slots % PAGE].float()
+            nerr = ((got_norms - norms.float()).abs() / norms.float().clamp_min(1e-6))[same].max().item()
             verdict(f"store {label} {name}", mism < 1e-3 and nerr < 2e-3, f"index mismatch {mism:.2e}, norm rel err {nerr:.2e}")
         meta = _meta(lens, tables)
         q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)

@@ -5,7 +5,8 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     program, so GQA shares a single read of the pages;
   * Q is rotated once in the program (and pre-scaled by softmax scale * log2 e);
     scores = norm_k * <R q, c[idx_k]>; V is accumulated in the rotated domain as
-    sum_j p_j * norm_v * c[idx_v] with an online softmax;
+    sum_j p_j * norm_v * c[idx_v] with an online softmax; centroids come from the
+    codebook's odd polynomial (codes.centroid_by_polynomial), not a chain of selects;
   * a second small kernel merges the splits (log-sum-exp) and applies the one inverse
     rotation per output.
 
@@ -25,19 +26,19 @@ import triton.language as tl
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
 from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
-from server.kernels.turbo.codes import centroid_of, load_indices
+from server.kernels.turbo.codes import centroid_by_polynomial, load_indices
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # tokens per inner step: four 16-token pages
-NUM_WARPS = 8  # with 4 warps ptxas spills the [BLOCK_N, D] decoded tiles (checked with cuobjdump -res-usage)
+BLOCK_N = 32  # tokens per inner step; 32 tokens / 4 warps measured fastest (docs/BENCHMARKS.md sweep)
+NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # enough programs in flight to hide memory latency
 
 
 @triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
-                   k_codes, k_norms, k_cent, v_codes, v_norms, v_cent, first_ptr, second_ptr, inv_sqrt,
+                   k_codes, k_norms, k_poly, v_codes, v_norms, v_poly, first_ptr, second_ptr, inv_sqrt,
                    qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
                    H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
@@ -70,8 +71,12 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
         k_idx = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS)
         k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        k = tl.reshape(tl.reshape(centroid_of(k_idx, k_cent, K_BITS), (BLOCK, NG, G)) * k_norm[:, :, None], (BLOCK, D))
-        scores = tl.dot(q, tl.trans(k))
+        k = centroid_by_polynomial(k_idx, k_poly, K_BITS)
+        if NG == 1:  # one norm per token: scale the scores, not every element
+            scores = tl.dot(q, tl.trans(k)) * tl.reshape(k_norm, (BLOCK,))[None, :]
+        else:
+            k = tl.reshape(tl.reshape(k, (BLOCK, NG, G)) * k_norm[:, :, None], (BLOCK, D))
+            scores = tl.dot(q, tl.trans(k))
         scores = tl.where(valid[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -81,8 +86,12 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
         v_idx = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS)
         v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.reshape(tl.reshape(centroid_of(v_idx, v_cent, V_BITS), (BLOCK, NG, G)) * v_norm[:, :, None], (BLOCK, D))
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        v = centroid_by_polynomial(v_idx, v_poly, V_BITS)
+        if NG == 1:  # fold the value norms into the probabilities
+            acc = acc * alpha[:, None] + tl.dot(p * tl.reshape(v_norm, (BLOCK,))[None, :], v)
+        else:
+            v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None], (BLOCK, D))
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         m = m_new
 
     part = (seq * (H_KV * GQA) + heads) * num_splits + split
@@ -165,8 +174,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     with timed("turbo_decode_attention", q.device):
         _decode_kernel[(num_seqs, kv_heads, num_splits)](
             q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.centroids,
-            v_pages.codes, v_pages.norms, v_pages.centroids, signs[0], signs[1], inv_sqrt,
+            meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
+            v_pages.codes, v_pages.norms, v_pages.polynomial, signs[0], signs[1], inv_sqrt,
             scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n, num_warps=num_warps,
             **shape,

@@ -39,6 +39,23 @@ class Codebook:
         """float32 centroids: the values every decoder (reference and kernels) uses."""
         return torch.tensor(self.centroids, dtype=torch.float32, device=device)
 
+    @property
+    def odd_polynomial(self) -> tuple[float, ...]:
+        """a_0 .. a_(h-1) with c_i = t * sum_k a_k t^(2k), t = 2i / (2^bits - 1) - 1, h = 2^(bits-1).
+
+        The codebook is odd around its middle, so h coefficients interpolate all 2^bits
+        centroids. Kernels evaluate it (one int-to-float, h + 2 multiply-adds) instead of a
+        chain of 2^bits selects; in float32 it reproduces the centroids to ~1e-7 relative.
+        """
+        half = len(self.centroids) // 2
+        scale = (len(self.centroids) - 1) / 2
+        t = torch.tensor([(i - scale) / scale for i in range(half, 2 * half)], dtype=torch.float64)
+        powers = torch.stack([t ** (2 * k + 1) for k in range(half)], dim=1)
+        return tuple(torch.linalg.solve(powers, torch.tensor(self.centroids[half:], dtype=torch.float64)).tolist())
+
+    def odd_polynomial_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.tensor(self.odd_polynomial, dtype=torch.float32, device=device)
+
     def midpoints_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """float32 decision boundaries: an index is the number of midpoints <= the value."""
         return torch.tensor(self.midpoints, dtype=torch.float32, device=device)

@@ -1,8 +1,9 @@
 """Triton device functions for the turbo row layout (format.py documents it) and codebook lookups.
 
-Indices are unpacked with shifts and masks in registers, and centroids are chosen with a
-chain of selects against 2^bits scalars loaded once per program: no per-element gathers
-from global memory.
+Indices are unpacked with shifts and masks in registers. Centroids come either from a
+chain of selects against the 2^bits codebook scalars (exact; the store kernel's norm
+correction) or from the codebook's odd interpolating polynomial (a few multiply-adds per
+value; attention): no per-element gathers from global memory.
 """
 
 import triton
@@ -59,3 +60,15 @@ def centroid_of(idx, centroids_ptr, BITS: tl.constexpr):
     for k in tl.static_range(1, 1 << BITS):
         value = tl.where(idx == k, tl.load(centroids_ptr + k), value)
     return value
+
+
+@triton.jit
+def centroid_by_polynomial(idx, coef_ptr, BITS: tl.constexpr):
+    """centroids[idx] to ~1e-7 relative, from Codebook.odd_polynomial (coefficients at coef_ptr)."""
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    t = idx.to(tl.float32) * (2.0 / ((1 << BITS) - 1)) - 1.0
+    t2 = t * t
+    acc = tl.zeros(idx.shape, tl.float32) + tl.load(coef_ptr + HALF - 1)
+    for j in tl.static_range(HALF - 1):
+        acc = acc * t2 + tl.load(coef_ptr + HALF - 2 - j)
+    return acc * t

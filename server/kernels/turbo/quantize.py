@@ -31,6 +31,7 @@ class TurboPages:
     bits: int
     centroids: torch.Tensor  # float32 [2^bits]
     midpoints: torch.Tensor  # float32 [2^bits - 1]
+    polynomial: torch.Tensor  # float32 [2^(bits-1)]: Codebook.odd_polynomial, what attention decodes with
 
 
 @triton.jit

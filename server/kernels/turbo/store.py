@@ -27,6 +27,7 @@ def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayou
         bits=layout.bits,
         centroids=book.centroids_tensor(device),
         midpoints=book.midpoints_tensor(device),
+        polynomial=book.odd_polynomial_tensor(device),
     )
 
 

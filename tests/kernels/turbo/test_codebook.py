@@ -2,6 +2,7 @@
 
 import mpmath
 import pytest
+import torch
 
 from server.kernels.turbo.codebook import codebook
 
@@ -61,3 +62,19 @@ def test_codebook_is_cached_and_deterministic():
 def test_bad_codebook_request_is_refused():
     with pytest.raises(ValueError, match="bits"):
         codebook(5, 128)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [64, 128])
+def test_odd_polynomial_reproduces_every_centroid_in_float32(bits, group):
+    """Attention decodes centroids with this polynomial; evaluate it in float32 the way a kernel does."""
+    book = codebook(bits, group)
+    n = 2**bits
+    t = torch.arange(n, dtype=torch.float32) * (2.0 / (n - 1)) - 1.0
+    coef = book.odd_polynomial_tensor()
+    acc = torch.full_like(t, coef[-1].item())
+    for a in reversed(coef[:-1].tolist()):
+        acc = acc * t * t + a
+    got = (acc * t).double()
+    want = torch.tensor(book.centroids, dtype=torch.float64)
+    assert ((got - want).abs() / want.abs()).max() < 2e-6

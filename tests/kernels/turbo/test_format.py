@@ -121,7 +121,7 @@ def pages_for(kind, num_pages, page_size, heads, head_dim):
     return TurboPages(
         torch.zeros(num_pages, heads, page_size, layout.row_bytes, dtype=torch.uint8),
         torch.zeros(num_pages, heads, page_size, layout.num_groups, dtype=torch.float16),
-        layout.bits, book.centroids_tensor(), book.midpoints_tensor(),
+        layout.bits, book.centroids_tensor(), book.midpoints_tensor(), book.odd_polynomial_tensor(),
     )
 
 
