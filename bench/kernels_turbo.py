@@ -24,6 +24,7 @@ from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
+from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
@@ -155,8 +156,10 @@ def _rotation_and_store_rows(device) -> list[Row]:
     copy_dst = torch.empty_like(x)
     copy_ms = time_ms(lambda _: copy_dst.copy_(x), device=device)
     for group in (64, 128):
-        ms = time_ms(lambda _: rotate_triton(x, group), device=device)
-        rows.append(Row(f"rotation bf16 G={group}, {x.numel() >> 20}M values", ms, copy_ms, 2 * x.numel() * 2, "copy of the same tensor"))
+        for per_program in (1024, 512, 4096):  # the first is the default
+            ms = time_ms(lambda _: rotate_triton(x, group, elements_per_program=per_program), device=device)
+            rows.append(Row(f"rotation bf16 G={group}, {x.numel() >> 20}M values", ms, copy_ms, 2 * x.numel() * 2,
+                            "copy of the same tensor", f"{per_program} values per program"))
     tokens = STORE_TOKENS
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -171,10 +174,12 @@ def _rotation_and_store_rows(device) -> list[Row]:
     dense_ms = time_ms(dense_write, device=device)
     for kind in ("turbo3", "turbo4"):
         store = TurboKVStore(tokens * 2 // PAGE, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
-        ms = time_ms(lambda _: store.write(k, v, slots), device=device)
         moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind) + slots.numel() * 8
-        rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
-                        "bf16 index_copy_ of K and V"))
+        for per_program in (16, 4, 8):  # the first is the default
+            ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
+                                                      rows_per_program=per_program), device=device)
+            rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
+                            "bf16 index_copy_ of K and V", f"{per_program} token-head rows per program"))
     return rows
 
 

@@ -153,8 +153,13 @@ def rotate_triton(
     inverse: bool = False,
     signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2),
     out_dtype: torch.dtype | None = None,
+    elements_per_program: int = 1024,
 ) -> torch.Tensor:
-    """Triton body of ``rotate``: float32 math, output in ``out_dtype`` (default: x's dtype)."""
+    """Triton body of ``rotate``: float32 math, output in ``out_dtype`` (default: x's dtype).
+
+    ``elements_per_program`` (a power of two) trades registers for fewer programs; the
+    butterfly holds about five registers per element, so 1024 keeps occupancy up.
+    """
     check_group(group, signs)
     if x.shape[-1] % group:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
@@ -162,7 +167,7 @@ def rotate_triton(
     src = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     n_rows = src.numel() // group
-    rows = max(1, min(1024 // group, triton.next_power_of_2(max(n_rows, 1))))
+    rows = max(1, min(elements_per_program // group, triton.next_power_of_2(max(n_rows, 1))))
     if n_rows:
         with timed("rotation", x.device):
             _rotate_kernel[(triton.cdiv(n_rows, rows),)](

@@ -80,8 +80,12 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
-                       v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float) -> None:
-    """Quantize k, v [T, kv_heads, D] (last dim contiguous) into their slots; one launch for both."""
+                       v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
+                       rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+    """Quantize k, v [T, kv_heads, D] (last dim contiguous) into their slots; one launch for both.
+
+    ``rows_per_program`` (token-head rows per program) exists for the benchmark's sweep.
+    """
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
@@ -89,13 +93,13 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     if n_rows == 0:
         return
     group = group_size(head_dim)
-    grid = (triton.cdiv(n_rows, ROWS_PER_PROGRAM), 2)
+    grid = (triton.cdiv(n_rows, rows_per_program), 2)
     with timed("turbo_store", k.device):
         _store_kernel[grid](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping,
             k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids,
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
             signs[0], signs[1], inv_sqrt, n_rows,
-            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=ROWS_PER_PROGRAM, D=head_dim, G=group,
+            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=rows_per_program, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
         )
