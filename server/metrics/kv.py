@@ -18,6 +18,8 @@ pages_used = Gauge("turboserve_kv_pages_used", "Pages owned by sequences.", LABE
 pages_free = Gauge("turboserve_kv_pages_free", "Pages available to new tokens.", LABELS)
 pool_bytes = Gauge("turboserve_kv_pool_bytes", "Bytes of the KV pool, all layers.", LABELS)
 bytes_used = Gauge("turboserve_kv_bytes_used", "Bytes of the pages owned by sequences.", LABELS)
+# vLLM's name and meaning (fraction of the pool in use), so its dashboards' cache panels translate.
+cache_usage = Gauge("turboserve_kv_cache_usage_perc", "KV pool usage: 1 means every page is owned.", LABELS)
 value_bitwidth = Gauge(
     "turboserve_kv_value_bitwidth", "Storage bits per cached K or V element, norms included.",
     LABELS + ["kind", "dtype"],
@@ -43,6 +45,7 @@ class KVMetrics:
         self._used = pages_used.labels(model_name)
         self._free = pages_free.labels(model_name)
         self._bytes_used = bytes_used.labels(model_name)
+        self._usage = cache_usage.labels(model_name)
         self._request_bytes = request_bytes.labels(model_name)
 
     def on_pool(
@@ -76,6 +79,7 @@ class KVMetrics:
         self._used.set(used)
         self._free.set(self._pages_total - used)
         self._bytes_used.set(used * self._page_bytes)
+        self._usage.set(used / self._pages_total if self._pages_total else 0.0)
 
     def on_request_freed(self, num_pages: int) -> None:
         """A finished request gave back ``num_pages`` pages."""

@@ -80,6 +80,7 @@ def test_kv_pool_families_from_the_pool_shape(metrics):
     assert value("turboserve_kv_pool_bytes", m) == 50 * 16 * 4680
     assert value("turboserve_kv_pages_used", m) == 12
     assert value("turboserve_kv_pages_free", m) == 38
+    assert value("turboserve_kv_cache_usage_perc", m) == 12 / 50
     assert value("turboserve_kv_bytes_used", m) == 12 * 16 * 4680
     assert value("turboserve_kv_bytes_per_token", m) == 4680
     assert value("turboserve_kv_value_bitwidth", m, kind="k", dtype="turbo3") == 3.25

@@ -122,6 +122,7 @@ def test_kv_pool_is_idle_and_consistent(idle_samples):
     assert total(s, "turboserve_kv_pages_used") == 0
     assert total(s, "turboserve_kv_pages_free") == pool
     assert total(s, "turboserve_kv_bytes_used") == 0
+    assert total(s, "turboserve_kv_cache_usage_perc") == 0
     assert total(s, "turboserve_num_requests_waiting") == 0
     per_token = total(s, "turboserve_kv_bytes_per_token")
     # SmolLM2: 30 layers x 3 KV heads x 64 dims x (K + V); CPU runs float32 by default (4 bytes).
