@@ -116,7 +116,8 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self._requests: dict[str, Sequence] = {}  # live requests, submit() until finished
-        self._unpublished: list[tuple[Sequence, int, bool]] = []  # (seq, token, ended by it), see step()
+        # (seq, token, whether the token ended it, when it arrived): published during the next step
+        self._unpublished: list[tuple[Sequence, int, bool, float]] = []
         self._in_flight: set[Sequence] = set()  # sequences of the step whose kernels are running
         self._deferred_release: list[Sequence] = []  # ended while in flight: pages return after it
         self._stopping = False
@@ -323,8 +324,9 @@ class Engine:
         if chunks:
             results = self._collect(chunks, launched, failure)
             self._release_deferred()
+            arrived = time.monotonic()
             for chunk, result in zip(chunks, results):
-                self._advance(chunk, result)
+                self._advance(chunk, result, arrived)
         if not self.scheduler.has_work():
             self._publish()  # no step follows to hide it behind
         self.metrics.on_step(
@@ -353,7 +355,7 @@ class Engine:
             log.exception("sequence %s fails on its own", chunk.seq.request_id)
             return exc
 
-    def _advance(self, chunk: ScheduledChunk, result: ChunkResult | Exception) -> None:
+    def _advance(self, chunk: ScheduledChunk, result: ChunkResult | Exception, arrived: float) -> None:
         """Take one chunk's result: the cheap part, so the next step can be scheduled at once."""
         seq, params = chunk.seq, chunk.seq.params
         if seq.finish_reason is not None:  # ended (a stop string) while this step ran
@@ -368,21 +370,21 @@ class Engine:
             return
         token = result.token
         seq.append_token(token)
-        seq.timeline.on_tokens(1, seq.num_prompt_tokens)
         if result.logprob is not None:
             seq.logprobs.append(result.logprob)
         by_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
         if by_token or seq.num_generated_tokens >= params.max_tokens:
             self._end(seq, "stop" if by_token else "length")
-        self._unpublished.append((seq, token, by_token))
+        self._unpublished.append((seq, token, by_token, arrived))
 
     def _publish(self) -> None:
         """Text, stop strings and outputs of the tokens the last step produced."""
         items, self._unpublished = self._unpublished, []
-        for seq, token, by_token in items:
+        for seq, token, by_token, arrived in items:
             if seq.final_output_sent:  # aborted or failed since; its final output went out
                 continue
             try:
+                seq.timeline.on_tokens(1, seq.num_prompt_tokens, now=arrived)
                 self._publish_token(seq, token, by_token)
             except Exception as exc:
                 log.exception("post-processing %s failed", seq.request_id)

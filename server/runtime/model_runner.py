@@ -101,12 +101,13 @@ class ModelRunner:
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
-        # One host-to-device copy for all 1-D inputs (a copy costs more than its bytes here).
+        # One copy for all 1-D inputs (a copy costs more than its bytes here). Plain, not pinned:
+        # the device is idle now, waiting for exactly these inputs.
         t, s = len(ids), len(chunks)
-        flat = to_device(torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64), self.device)
+        flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=flat[2 * t : 3 * t],
-            block_tables=to_device(torch.from_numpy(block_tables), self.device),
+            block_tables=torch.from_numpy(block_tables).to(self.device),
             seq_lens=flat[3 * t : 3 * t + s].to(torch.int32),
             query_start_loc=flat[3 * t + s :].to(torch.int32),
             seq_lens_cpu=seq_lens,
