@@ -326,7 +326,11 @@ class Engine:
             self._release_deferred()
             arrived = time.monotonic()
             for chunk, result in zip(chunks, results):
-                self._advance(chunk, result, arrived)
+                try:
+                    self._advance(chunk, result, arrived)
+                except Exception as exc:
+                    log.exception("taking the result of %s failed", chunk.seq.request_id)
+                    self._finish(chunk.seq, "error", error=f"post-processing failed: {exc!r}")
         if not self.scheduler.has_work():
             self._publish()  # no step follows to hide it behind
         self.metrics.on_step(

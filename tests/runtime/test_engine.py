@@ -291,3 +291,26 @@ def test_shutdown_ends_live_requests_with_abort_and_refuses_new_ones(loaded):
     assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages and not engine.is_alive()
     with pytest.raises(RuntimeError, match="not running"):
         engine.submit("late", prompt(3), GREEDY, lambda out: None)
+
+
+def test_a_failure_while_publishing_fails_only_that_request(loaded):
+    engine = make_engine(loaded)
+    poison = 250
+
+    class FaultyTokenizer(type(loaded.tokenizer)):
+        def decode(self, ids, skip_special_tokens=True):
+            if poison in ids:
+                raise UnicodeError("injected decode fault")
+            return super().decode(ids, skip_special_tokens)
+
+    try:
+        good_prompt = prompt(7)
+        expected = engine.generate(good_prompt, GREEDY).token_ids
+        assert poison not in good_prompt + expected, "pick another poison token: the healthy request meets it"
+        engine.tokenizer = FaultyTokenizer()  # detokenizers made from now on use it
+        results = run_all(engine, {"good": (good_prompt, GREEDY), "bad": ([3, 4, poison], GREEDY)})
+        assert results["bad"].finish_reason == "error" and "injected decode fault" in results["bad"].error
+        assert results["good"].finish_reason == "length" and results["good"].token_ids == expected
+        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+    finally:
+        engine.shutdown()
