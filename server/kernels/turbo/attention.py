@@ -31,7 +31,7 @@ from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 32  # tokens per inner step; 32 tokens / 4 warps measured fastest (docs/BENCHMARKS.md sweep)
+BLOCK_N = 64  # tokens per inner step; 64 tokens / 4 warps measured fastest (docs/BENCHMARKS.md sweep)
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # enough programs in flight to hide memory latency
 
