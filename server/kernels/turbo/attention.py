@@ -11,8 +11,9 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     rotation per output.
 
 Everything else (prefill, chunked prefill, mixed batches, CPU) decodes the pages that the
-batch references to float and runs ``paged_attention_reference``: correct for any chunk
-boundary, not fused (yet).
+batch references into compact dense pages and runs dense paged attention over them (the
+Triton varlen kernel of dense_attention.py on GPU, ``paged_attention_reference`` otherwise):
+correct for any chunk boundary, not fused in the rotated domain (yet).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels.backend import use_triton
+from server.kernels.dense_attention import paged_attention as dense_paged_attention
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
 from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
@@ -190,12 +193,16 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
 def decoded_pages(pages: TurboPages, kind: str, page_ids: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The listed pages in the original domain: [len(page_ids), page_size, kv_heads, D] in ``dtype``."""
     rotated = dequantize_rotated(pages.codes[page_ids], pages.norms[page_ids], kind, head_dim)
-    return rotate(rotated, group_size(head_dim), inverse=True).to(dtype).transpose(1, 2)
+    return rotate(rotated, group_size(head_dim), inverse=True).to(dtype).transpose(1, 2).contiguous()
 
 
 def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, k_kind: str,
-                                 v_kind: str, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend."""
+                                 v_kind: str, meta: AttentionMetadata, scale: float,
+                                 fast: bool | None = None) -> torch.Tensor:
+    """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend.
+
+    ``fast`` picks the dense Triton attention (default: when ``use_triton(q)``); tests force it on CPU.
+    """
     page_size = k_pages.codes.shape[2]
     used = [meta.block_tables[s, : -(-n // page_size)] for s, n in enumerate(meta.seq_lens_cpu)]
     used = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=q.device)
@@ -212,5 +219,7 @@ def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: 
     v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
     compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
                                      meta.seq_lens_cpu, meta.query_lens_cpu)
+    if use_triton(q) if fast is None else fast:
+        return dense_paged_attention(q, k, v, compact_meta, scale)
     return paged_attention_reference(q, k, v, compact_meta, scale)
 

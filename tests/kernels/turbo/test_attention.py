@@ -11,7 +11,7 @@ import torch
 
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import SIGNS1, SIGNS2
-from server.kernels.turbo.attention import decode_attention_triton
+from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, unpack_indices
 from server.kernels.turbo.store import TurboKVStore
@@ -111,6 +111,14 @@ def test_prefill_and_chunked_prefill_match_float64(head_dim, gqa):
     store, meta, q = scenario([5, 40, 17, 1000], [5, 23, 1, 2], 2, gqa, head_dim, "turbo4", "turbo3", seed=5)
     want = oracle(q, store, meta, 0.1)
     assert_close(store.attend(q, meta, 0.1), want, 1e-5, "prefill vs float64")
+
+
+def test_prefill_through_the_dense_triton_kernel_matches_float64():
+    """The GPU body of the prefill path (dense varlen Triton attention over decoded pages), interpreted."""
+    store, meta, q = scenario([5, 40, 17, 33], [5, 23, 1, 2], 2, 4, 64, "turbo3", "turbo4", seed=6)
+    want = oracle(q, store, meta, 0.125)
+    got = attention_over_decoded_pages(q, store.k, store.v, "turbo3", "turbo4", meta, 0.125, fast=True)
+    assert_close(got, want, 1e-5, "dense Triton prefill over decoded pages vs float64")
 
 
 def test_store_write_then_attend_through_the_store_api():
