@@ -41,6 +41,7 @@ class LaunchedStep:
     logits: torch.Tensor | None = None  # [rows with logits, V] float32
     row_of: dict[int, int] = field(default_factory=dict)  # batch row -> row of logits
     sampling: list[int] = field(default_factory=list)  # chunks that sample
+    scoring_prompt: list[int] = field(default_factory=list)  # chunks whose prompt logprobs are computed
     sample_logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None  # [len(sampling)] int64
 
@@ -138,6 +139,7 @@ class ModelRunner:
         with timed("lm_head", self.device):
             step.logits = self.model.compute_logits(hidden)
         step.row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
+        step.scoring_prompt = [i for i, c in enumerate(chunks) if wants_prompt_logprobs(c)]
         step.sampling = [i for i, c in enumerate(chunks) if c.samples]
         if step.sampling:
             last_rows = [step.row_of[step.row_starts[i] + chunks[i].num_tokens - 1] for i in step.sampling]
@@ -161,10 +163,9 @@ class ModelRunner:
             logprobs = token_logprobs(step.sample_logits, step.tokens, [s.params.logprobs for s in seqs])
             for i, token, logprob in zip(step.sampling, step.tokens.tolist(), logprobs):
                 results[i].token, results[i].logprob = token, logprob
-        for i, chunk in enumerate(chunks):
-            if wants_prompt_logprobs(chunk):
-                first = step.row_of[step.row_starts[i]]
-                results[i].prompt_logprobs = self._prompt_logprobs(chunk, step.logits, first)
+        for i in step.scoring_prompt:
+            first = step.row_of[step.row_starts[i]]
+            results[i].prompt_logprobs = self._prompt_logprobs(chunks[i], step.logits, first)
         return results
 
     def _prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor, first: int) -> list[float]:
