@@ -34,6 +34,11 @@ def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayou
 class TurboKVStore:
     """Quantized paged K/V; K and V may use different kinds (e.g. turbo4 K with turbo3 V)."""
 
+    # server/runtime/cuda_graphs.py: a negative slot stores nothing, a seq_len-0 row attends to
+    # nothing and comes out zero, and split ranges are computed on the device from seq_lens
+    # (the host metadata only fixes the launch shape), so one captured decode serves every length.
+    cuda_graph_safe = True
+
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, k_kind: str,
                  v_kind: str, device: torch.device | str, out_dtype: torch.dtype):
         group_size(head_dim)  # refuses head dims that are not a multiple of 64, with the fix in the message

@@ -14,6 +14,7 @@ from server.kernels.rotation import SIGNS1, SIGNS2
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, unpack_indices
+from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
@@ -103,6 +104,27 @@ def test_fused_decode_long_context_any_split_count():
         fused = decode_attention_triton(q, store.k, store.v, meta, 128**-0.5, store.signs, store.inv_sqrt,
                                         num_splits=splits)
         assert_close(fused, want, 2e-5, f"fused decode, {splits} splits")
+
+
+def test_fused_decode_serves_any_length_under_a_capture_time_hint():
+    """CUDA-graph contract: launch planned for 1000 tokens, real lengths shorter, a padding row of length 0."""
+    store, meta, q = scenario([45, 3], [1, 1], 2, 2, 64, "turbo3", "turbo3", seed=9)
+    want = oracle(q, store, meta, 0.125)
+    padded_q = torch.cat([q, torch.randn(1, *q.shape[1:])])
+    tables = torch.cat([meta.block_tables, torch.full((1, meta.block_tables.shape[1]), 10**6, dtype=torch.int32)])
+    hinted = AttentionMetadata(meta.slot_mapping, tables, torch.tensor([45, 3, 0], dtype=torch.int32),
+                               torch.arange(4, dtype=torch.int32), [1000] * 3, [1] * 3)
+    out = decode_attention_triton(padded_q, store.k, store.v, hinted, 0.125, store.signs, store.inv_sqrt)
+    assert_close(out[:2], want, 2e-5, "decode planned for 1000 tokens")
+    assert out[2].eq(0).all(), "a seq_len-0 padding row must come out zero (and read no page)"
+
+
+def test_negative_slots_store_nothing():
+    store = TurboKVStore(2, PAGE, 1, 64, "turbo4", "turbo4", "cpu", torch.float32)
+    x = torch.randn(3, 1, 64)
+    store_turbo_triton(x, x, torch.tensor([-1, 5, -1]), store.k, store.v, store.signs, store.inv_sqrt)
+    written = store.k.norms.reshape(-1) != 0
+    assert written.nonzero().flatten().tolist() == [5]
 
 
 @pytest.mark.parametrize("head_dim,gqa", [(64, 3), (128, 8), (256, 2)])
