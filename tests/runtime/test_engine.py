@@ -314,3 +314,19 @@ def test_a_failure_while_publishing_fails_only_that_request(loaded):
         assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
     finally:
         engine.shutdown()
+
+
+def test_steps_respect_max_num_seqs_and_the_token_budget_with_decodes_first(loaded):
+    engine = make_engine(loaded, max_num_seqs=3, max_num_batched_tokens=9)
+    steps = record_schedules(engine)
+    try:
+        requests = {f"r{i}": (prompt(4 + 7 * i, salt=i), GREEDY) for i in range(6)}
+        results = run_all(engine, requests)
+    finally:
+        engine.shutdown()
+    assert all(r.finish_reason == "length" for r in results.values())
+    assert max(len(s) for s in steps) == 3, "max_num_seqs was not reached or was exceeded"
+    assert max(sum(n for _, n, _ in s) for s in steps) == 9, "the token budget was not filled or was exceeded"
+    for s in steps:
+        kinds = [n == 1 and dec for _, n, dec in s]
+        assert kinds == sorted(kinds, reverse=True), f"a prefill chunk was scheduled before a decode: {s}"
