@@ -125,6 +125,18 @@ def _load_hf_dir(path: str, device: torch.device, dtype: torch.dtype) -> LoadedM
     return LoadedModel(model, tokenizer, cfg, _served_name(path), path)
 
 
+def _load_quantized_dir(path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A `turboserve quantize` output: its base model with the quantized MLP modules swapped in."""
+    from server.kernels.experts import checkpoint  # lazily: dense serving never needs the expert kernels
+
+    meta, modules = checkpoint.load(path, device)
+    loaded = load_model(meta["base_model"], device, dtype)
+    for name, module in modules.items():
+        loaded.model.set_submodule(name, module)
+    log.info("swapped in %d %s MLP module(s) from %s", len(modules), meta["format"], path)
+    return dataclasses.replace(loaded, name=meta["name"], path=path, raw_weights={})
+
+
 def load_model(path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """Load a GGUF file or Hugging Face directory (None: the embedded SmolLM2) onto ``device`` in ``dtype``."""
     path = embedded_model_path() if path is None else os.path.expanduser(path)
