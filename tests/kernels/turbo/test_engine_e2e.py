@@ -33,8 +33,8 @@ def greedy(loaded, kv_cache_dtype: str, max_tokens: int, **overrides) -> tuple[s
         engine.shutdown()
 
 
-def test_turbo4_greedy_matches_dense_for_the_first_tokens(loaded):
-    dense_text, dense_ids, _ = greedy(loaded, "f32", 8)
+def test_turbo4_greedy_matches_bf16_kv_for_the_first_tokens(loaded):
+    dense_text, dense_ids, _ = greedy(loaded, "bf16", 8)
     text, ids, _ = greedy(loaded, "turbo4", 8)
     assert ids[:6] == dense_ids[:6], (text, dense_text)
 
