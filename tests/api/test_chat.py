@@ -94,12 +94,12 @@ def test_stop_string_is_cut_from_the_reply(client):
 def test_same_seed_same_text_other_seed_other_text(client):
     def sample(seed):
         return client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Invent a name for a cat."}], max_tokens=12,
+            model=MODEL, messages=[{"role": "user", "content": "Invent a name for a cat."}], max_tokens=8,
             temperature=1.3, seed=seed).choices[0].message.content
 
     first = sample(1234)
     assert sample(1234) == first
-    assert any(sample(seed) != first for seed in (1, 2, 3)), "three other seeds all gave the same sample"
+    assert any(sample(seed) != first for seed in (1, 2)), "two other seeds gave the same sample"
 
 
 def test_logprobs_have_openai_shape_and_agree_with_greedy_choice(client, greedy_reply):
@@ -121,3 +121,11 @@ def test_logprobs_have_openai_shape_and_agree_with_greedy_choice(client, greedy_
 
 def test_no_logprobs_unless_asked(greedy_reply):
     assert greedy_reply.choices[0].logprobs is None
+
+
+def test_streamed_logprobs_match_the_whole_ones(client):
+    kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True)
+                if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in whole]

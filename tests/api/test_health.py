@@ -3,6 +3,7 @@ since stopping the real one would take the shared server down)."""
 
 from __future__ import annotations
 
+import httpx
 from fastapi.testclient import TestClient
 
 from server.api.app import create_app
@@ -29,8 +30,6 @@ def test_health_is_503_when_the_engine_loop_is_down():
 
 
 def test_health_version_and_models_when_alive(api_server):
-    import httpx
-
     assert httpx.get(api_server.base_url + "/health").json() == {"status": "ok"}
     version = httpx.get(api_server.base_url + "/version").json()["version"]
     assert version and version[0].isdigit()
