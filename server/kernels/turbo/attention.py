@@ -54,58 +54,59 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    g = tl.arange(0, GQA_PAD)
-    heads = kv_head * GQA + g
-    q_row = tl.load(q_start_ptr + seq).to(tl.int64)
-    q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :],
-                mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
-    q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
-    q = tl.reshape(q, (GQA_PAD, D)) * qk_scale
+    if start < seq_len:  # splits past the end (short rows, seq_len-0 padding) do nothing; merge skips them
+        g = tl.arange(0, GQA_PAD)
+        heads = kv_head * GQA + g
+        q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+        q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :],
+                    mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
+        q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
+        q = tl.reshape(q, (GQA_PAD, D)) * qk_scale
 
-    m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((GQA_PAD,), tl.float32)
-    acc = tl.zeros((GQA_PAD, D), tl.float32)
-    for t0 in range(start, end, BLOCK):
-        tok = t0 + tl.arange(0, BLOCK)
-        valid = tok < end
-        page = tl.load(tables_ptr + seq * tables_stride + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
-        norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
+        m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
+        l = tl.zeros((GQA_PAD,), tl.float32)
+        acc = tl.zeros((GQA_PAD, D), tl.float32)
+        for t0 in range(start, end, BLOCK):
+            tok = t0 + tl.arange(0, BLOCK)
+            valid = tok < end
+            page = tl.load(tables_ptr + seq * tables_stride + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
+            norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
 
-        k_idx = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS)
-        k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        k = centroid_by_polynomial(k_idx, k_poly, K_BITS)
-        if NG == 1:  # one norm per token: scale the scores, not every element
-            scores = tl.dot(q, tl.trans(k)) * tl.reshape(k_norm, (BLOCK,))[None, :]
-        else:
-            k = tl.reshape(tl.reshape(k, (BLOCK, NG, G)) * k_norm[:, :, None], (BLOCK, D))
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+            k_idx = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS)
+            k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            k = centroid_by_polynomial(k_idx, k_poly, K_BITS)
+            if NG == 1:  # one norm per token: scale the scores, not every element
+                scores = tl.dot(q, tl.trans(k)) * tl.reshape(k_norm, (BLOCK,))[None, :]
+            else:
+                k = tl.reshape(tl.reshape(k, (BLOCK, NG, G)) * k_norm[:, :, None], (BLOCK, D))
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(valid[None, :], scores, float("-inf"))
 
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
 
-        v_idx = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS)
-        v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = centroid_by_polynomial(v_idx, v_poly, V_BITS)
-        if NG == 1:  # fold the value norms into the probabilities
-            acc = acc * alpha[:, None] + tl.dot(p * tl.reshape(v_norm, (BLOCK,))[None, :], v)
-        else:
-            v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None], (BLOCK, D))
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
+            v_idx = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS)
+            v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = centroid_by_polynomial(v_idx, v_poly, V_BITS)
+            if NG == 1:  # fold the value norms into the probabilities
+                acc = acc * alpha[:, None] + tl.dot(p * tl.reshape(v_norm, (BLOCK,))[None, :], v)
+            else:
+                v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None], (BLOCK, D))
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+            m = m_new
 
-    part = (seq * (H_KV * GQA) + heads) * num_splits + split
-    tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
-    tl.store(part_m_ptr + part, m, mask=g < GQA)
-    tl.store(part_l_ptr + part, l, mask=g < GQA)
+        part = (seq * (H_KV * GQA) + heads) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
+        tl.store(part_m_ptr + part, m, mask=g < GQA)
+        tl.store(part_l_ptr + part, l, mask=g < GQA)
 
 
 @triton.jit
-def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                  num_splits, first_ptr, second_ptr, inv_sqrt,
+def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr,
+                  part_l_ptr, chunk, num_splits, first_ptr, second_ptr, inv_sqrt,
                   H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                   D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
     NG: tl.constexpr = D // G
@@ -114,17 +115,18 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, part_acc_ptr
     g = tl.arange(0, GQA_PAD)
     heads = kv_head * GQA + g
     part0 = (seq * (H_KV * GQA) + heads) * num_splits
+    used = tl.minimum((tl.load(seq_lens_ptr + seq) + chunk - 1) // chunk, num_splits)  # splits the decode kernel wrote
     sp = tl.arange(0, SPLITS_PAD)
-    present = (g < GQA)[:, None] & (sp < num_splits)[None, :]
+    present = (g < GQA)[:, None] & (sp < used)[None, :]
     m_all = tl.load(part_m_ptr + part0[:, None] + sp[None, :], mask=present, other=float("-inf"))
     m_max = tl.max(m_all, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded heads: keep the math finite
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded heads, seq_len 0: keep the math finite
 
     out = tl.zeros((GQA_PAD, D), tl.float32)
     denom = tl.zeros((GQA_PAD,), tl.float32)
-    for i in range(num_splits):
+    for i in range(used):
         m_i = tl.load(part_m_ptr + part0 + i, mask=g < GQA, other=float("-inf"))
-        w = tl.exp2(m_i - m_max)  # an empty split has m = -inf and weighs nothing
+        w = tl.exp2(m_i - m_max)
         denom += w * tl.load(part_l_ptr + part0 + i, mask=g < GQA, other=0.0)
         acc = tl.load(part_acc_ptr + (part0 + i)[:, None] * D + tl.arange(0, D)[None, :],
                       mask=(g < GQA)[:, None], other=0.0)
@@ -184,8 +186,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             **shape,
         )
         _merge_kernel[(num_seqs, kv_heads)](
-            out, out.stride(0), out.stride(1), meta.query_start_loc, part_acc, part_m, part_l, num_splits,
-            signs[0], signs[1], inv_sqrt, SPLITS_PAD=triton.next_power_of_2(num_splits), **shape,
+            out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
+            chunk, num_splits, signs[0], signs[1], inv_sqrt, SPLITS_PAD=triton.next_power_of_2(num_splits), **shape,
         )
     return out
 
