@@ -36,6 +36,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCache):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name}={getattr(config, name)} must be at least 1: no step could run")
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv_cache = kv_cache

@@ -330,3 +330,9 @@ def test_steps_respect_max_num_seqs_and_the_token_budget_with_decodes_first(load
     for s in steps:
         kinds = [n == 1 and dec for _, n, dec in s]
         assert kinds == sorted(kinds, reverse=True), f"a prefill chunk was scheduled before a decode: {s}"
+
+
+@pytest.mark.parametrize("setting", [{"max_num_seqs": 0}, {"max_num_batched_tokens": 0}])
+def test_settings_that_could_never_run_a_step_are_refused(loaded, setting):
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}=0 must be at least 1"):
+        make_engine(loaded, **setting)
