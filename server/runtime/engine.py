@@ -225,7 +225,9 @@ class Engine:
                 done.set()
 
         self.submit(f"generate-{uuid.uuid4().hex}", prompt_token_ids, params, collect)
-        done.wait()
+        while not done.wait(timeout=1.0):
+            if not self.is_alive():
+                raise RuntimeError("the engine loop stopped before the request finished")
         last = parts[-1]
         return RequestOutput(
             request_id=last.request_id,
