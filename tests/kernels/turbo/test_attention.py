@@ -4,28 +4,18 @@ The oracle decodes the stored pages itself in float64 (indices, float64 centroid
 norms, an explicit rotation matrix) and runs plain softmax attention with causal offsets.
 """
 
-import math
-
 import pytest
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.rotation import SIGNS1, SIGNS2
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, unpack_indices
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
+from turbo_oracle import rotation_matrix64
 
 PAGE = 16
-
-
-def rotation_matrix64(g):
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < g:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    d1, d2 = ([-1.0 if (w[e // 32] >> (e % 32)) & 1 else 1.0 for e in range(g)] for w in (SIGNS1, SIGNS2))
-    return torch.diag(torch.tensor(d2, dtype=torch.float64)) @ h @ torch.diag(torch.tensor(d1, dtype=torch.float64)) / math.sqrt(g)
 
 
 def decode64(pages, head_dim):

@@ -17,15 +17,9 @@ from server.kernels.turbo.format import (
 )
 from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
+from turbo_oracle import sylvester
 
 KINDS = {"turbo2": 2, "turbo3": 3, "turbo4": 4}
-
-
-def hadamard(g):
-    h = torch.ones(1, 1)
-    while h.shape[0] < g:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
 
 
 def mse_times_d(x, kind):
@@ -66,7 +60,7 @@ def test_mse_on_gaussian_inputs_within_spec(kind, bound):
 
 
 def test_turbo3_adversarial_hadamard_rows_within_spec():
-    assert mse_times_d(hadamard(128), "turbo3") < 0.045
+    assert mse_times_d(sylvester(128).float(), "turbo3") < 0.045
 
 
 @pytest.mark.parametrize("kind", KINDS)
