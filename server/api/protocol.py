@@ -23,7 +23,7 @@ def _invalid(param: str, message: str) -> ApiError:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Body):
