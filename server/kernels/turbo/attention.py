@@ -200,10 +200,11 @@ def decoded_pages(pages: TurboPages, kind: str, page_ids: torch.Tensor, head_dim
 
 def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, k_kind: str,
                                  v_kind: str, meta: AttentionMetadata, scale: float,
-                                 fast: bool | None = None) -> torch.Tensor:
+                                 fast: bool | None = None, page_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend.
 
-    ``fast`` picks the dense Triton attention (default: when ``use_triton(q)``); tests force it on CPU.
+    ``fast`` picks the dense Triton attention over pages decoded to ``page_dtype`` (default q's
+    dtype), by default when ``use_triton(q)``; tests force it on CPU. The reference decodes to float32.
     """
     page_size = k_pages.codes.shape[2]
     used = [meta.block_tables[s, : -(-n // page_size)] for s, n in enumerate(meta.seq_lens_cpu)]
@@ -216,12 +217,13 @@ def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: 
         tables[s, :n_pages] = compact[offset : offset + n_pages].to(tables.dtype)
         offset += n_pages
     head_dim = q.shape[-1]
-    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    fast = use_triton(q) if fast is None else fast
+    dtype = (page_dtype or q.dtype) if fast else torch.float32
     k = decoded_pages(k_pages, k_kind, page_ids, head_dim, dtype)
     v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
     compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
                                      meta.seq_lens_cpu, meta.query_lens_cpu)
-    if use_triton(q) if fast is None else fast:
+    if fast:
         return dense_paged_attention(q, k, v, compact_meta, scale)
     return paged_attention_reference(q, k, v, compact_meta, scale)
 

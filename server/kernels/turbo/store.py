@@ -47,7 +47,7 @@ class TurboKVStore:
         self.page_size = page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.k_kind, self.v_kind = k_kind, v_kind
-        self.out_dtype = out_dtype
+        self.out_dtype = out_dtype  # what prefill decodes pages to on the fast path
         self.k = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(k_kind, head_dim), device)
         self.v = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(v_kind, head_dim), device)
         group = group_size(head_dim)
@@ -91,4 +91,5 @@ class TurboKVStore:
                              f"got {tuple(q.shape)}")
         if use_triton(q) and meta.is_decode_only:
             return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt)
-        return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale)
+        return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale,
+                                            page_dtype=self.out_dtype)
