@@ -6,8 +6,8 @@ from server.api.serving import ServingContext
 
 
 def _chat_entry(ctx: ServingContext, token_id: int, logprob: float) -> dict:
-    text = ctx.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    text, raw = ctx.token(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(ctx: ServingContext, logprobs) -> dict | None:
@@ -30,7 +30,7 @@ class CompletionLogprobs:
         self._offset = 0
 
     def _add(self, result: dict, token_id: int, logprob: float | None, top: dict | None) -> None:
-        text = self._ctx.token_text(token_id)
+        text = self._ctx.token(token_id)[0]
         result["tokens"].append(text)
         result["token_logprobs"].append(logprob)
         result["top_logprobs"].append(top)
@@ -44,7 +44,7 @@ class CompletionLogprobs:
             self._add(result, token_id, logprob, None)  # the engine gives prompt tokens no alternatives
         for lp in logprobs or []:
             # OpenAI's legacy shape: a {token text: logprob} map that includes the sampled token.
-            top = {self._ctx.token_text(lp.token_id): lp.logprob}
-            top.update((self._ctx.token_text(tid), value) for tid, value in lp.top)
+            top = {self._ctx.token(lp.token_id)[0]: lp.logprob}
+            top.update((self._ctx.token(tid)[0], value) for tid, value in lp.top)
             self._add(result, lp.token_id, lp.logprob, top)
         return result

@@ -21,7 +21,7 @@ class ServingContext:
     system_fingerprint: str
     max_body_bytes: int
     created: int = field(default_factory=lambda: int(time.time()))
-    _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+    _tokens: dict[int, tuple[str, bytes]] = field(default_factory=dict, repr=False)
 
     @property
     def tokenizer(self):
@@ -62,12 +62,13 @@ class ServingContext:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         return request_id, group
 
-    def token_text(self, token_id: int) -> str:
-        """One token's own text, for logprobs (a token holding part of a UTF-8 character shows U+FFFD)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """One token's text and exact bytes, for logprobs (the text of a token holding part of a
+        UTF-8 character shows U+FFFD; its bytes are exact)."""
+        if token_id not in self._tokens:
+            self._tokens[token_id] = (self.tokenizer.decode([token_id], skip_special_tokens=False),
+                                      self.tokenizer.token_bytes(token_id))
+        return self._tokens[token_id]
 
     def encode(self, text: str, param: str) -> list[int]:
         ids = self.tokenizer.encode(text)

@@ -119,6 +119,19 @@ def test_logprobs_have_openai_shape_and_agree_with_greedy_choice(client, greedy_
         assert entry.bytes == list(entry.token.encode())
 
 
+def test_logprob_bytes_rebuild_characters_split_across_tokens(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Translate to Japanese: Japan"}], max_tokens=8,
+        temperature=0, logprobs=True)
+    content = reply.choices[0].logprobs.content
+    # A character cut by max_tokens ends the text as U+FFFD; errors="ignore" drops it from the bytes.
+    rebuilt = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="ignore")
+    assert rebuilt.removesuffix("<|im_end|>") == reply.choices[0].message.content.removesuffix("\ufffd")
+    assert not reply.choices[0].message.content.isascii()
+    assert any(not bytes(e.bytes).decode("utf-8", errors="ignore") == e.token for e in content), \
+        "no token split a character: the prompt no longer exercises partial-UTF-8 bytes"
+
+
 def test_no_logprobs_unless_asked(greedy_reply):
     assert greedy_reply.choices[0].logprobs is None
 

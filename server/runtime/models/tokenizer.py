@@ -7,6 +7,7 @@ pre-tokenization llama.cpp applies for that name.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -56,6 +57,15 @@ def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: b
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+@functools.cache
+def _byte_level_decoding() -> dict[str, int]:
+    """GPT-2 byte-level BPE spells byte b as one printable character; this maps it back.
+    Printable Latin-1 bytes stand for themselves, the other 68 take code points 256 and up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
 def _render_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -96,6 +106,16 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (a token may hold part of a UTF-8 character, which
+        ``decode([token_id])`` shows as U+FFFD); OpenAI's logprobs report these bytes."""
+        piece = self.backend.id_to_token(token_id) or ""
+        if isinstance(self.backend.decoder, decoders.ByteLevel):
+            table = _byte_level_decoding()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_text(self, token_id: int | None) -> str:
         piece = None if token_id is None else self.backend.id_to_token(token_id)
