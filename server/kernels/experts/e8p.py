@@ -56,14 +56,15 @@ def abs_row_odd() -> torch.Tensor:
 
 @functools.cache
 def abs_table_packed() -> torch.Tensor:
-    """[256] int32 kernel table: bits 2k..2k+1 hold (|x_k| - 1/2), bit 16 the odd-sum flag.
+    """[256] int32 kernel table: nibble k (bits 4k..4k+2) holds 2·|x_k| (1, 3, 5 or 7), bit 31 the odd-sum flag.
 
-    One 32-bit word per row instead of 8 floats: a kernel loads one word per code and
-    shifts, so the table is 1 KiB (it stays in L1) and needs no per-lane float gathers.
+    One 32-bit word per row instead of 8 floats: a kernel loads one word per code and builds all
+    8 weights of the code with word-wide integer ops (moe_triton.py), so the table is 1 KiB and
+    stays in L1, with no per-lane float gathers.
     """
-    idx = (abs_table() - 0.5).long()
-    word = (idx << (2 * torch.arange(8))).sum(1) | (abs_row_odd().long() << 16)
-    return word.to(torch.int32)
+    nib = (abs_table() * 2).long()
+    word = (nib << (4 * torch.arange(8))).sum(1) | (abs_row_odd().long() << 31)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
 def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

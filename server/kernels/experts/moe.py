@@ -83,20 +83,32 @@ def launch_expert_gemm(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
     scale = t.get("scale", main)
     block_n, block_k, warps, stages = _tile_shape(fmt, blocks.block_m, n, k, num_e, blocks.num_pairs)
     table, rtable = _tables(a.device)
+    a_sum = _activation_sums(a, fmt)
     grid = (blocks.num_blocks, triton.cdiv(n, block_n))
     name = f"experts_{fmt}_{'gate_up' if dual else 'down'}_{'decode' if blocks.block_m == DECODE_BLOCK_M else 'prefill'}"
     with timed(name, a.device):
         _expert_gemm[grid](
-            a, out, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out,
+            a, a_sum, out, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out,
             main, aux, scale, table, rtable,
-            n, k, blocks.num_pairs, a.stride(0), out.stride(0),
+            n, k, blocks.num_pairs, a.stride(0), a_sum.stride(0), out.stride(0),
             main.stride(0), main.stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
             scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
             FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
             BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            IEEE=a.dtype == torch.float32,
+            MAGIC=_MAGIC[a.dtype], IEEE=a.dtype == torch.float32,
             num_warps=warps, num_stages=stages,
         )
+
+
+# Operand offset per activation dtype: MAGIC + n is exact with n in the low mantissa bits (moe_triton._dot).
+_MAGIC = {torch.bfloat16: 128, torch.float16: 1024, torch.float32: 0}
+
+
+def _activation_sums(a: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Σa per q block (q formats) or per row (E8 formats), in float32, of the very values the kernel multiplies."""
+    if fmt in ("q1_0", "q2_0"):
+        return a.float().view(a.shape[0], -1, K_UNIT[fmt]).sum(-1)
+    return a.float().sum(-1, keepdim=True)
 
 
 def _tile_shape(fmt: str, block_m: int, n: int, k: int, num_e: int, num_pairs: int) -> tuple[int, int, int, int]:

@@ -11,10 +11,11 @@ Decode and prefill are two launch shapes of it: BLOCK_M = 16 pairs per block wit
 row blocks for a few tokens per expert (weights streamed once, many programs in flight);
 BLOCK_M = 64 with wider tiles for many tokens, where each dequantized tile feeds a real GEMM.
 
-Exactness: E8 tiles are built as integers (4·w for e8p points, 2·r for residual points),
-exact in bf16/fp16, with the 1/4, 1/(2·2.04) and the row scale applied to the float32
-accumulators; q1_0/q2_0 tiles are their integer levels with d applied per K block. So the
-only rounding besides the activations' own dtype is float32 accumulation.
+Exactness and cost: tiles are small non-negative integers (nibbles of the E8 codes, raw q
+codes) turned into exact bf16/fp16 operands by an OR and a bitcast (`_dot`); the affine maps
+back to weights (4·w = 2n - 15, r, q levels), the 1/4, 1/2.04, d and the row scale are applied
+to the float32 accumulators with precomputed activation sums. So the only rounding besides
+the activations' own dtype is float32 accumulation, and a weight costs a shift and a mask.
 Codebook tables are 1 KiB int32 words (one per code) read through L1, never constant memory.
 """
 
@@ -32,21 +33,76 @@ E8P3 = tl.constexpr(FORMAT_IDS["e8p3"])
 Q1_0 = tl.constexpr(FORMAT_IDS["q1_0"])
 Q2_0 = tl.constexpr(FORMAT_IDS["q2_0"])
 BF16 = tl.constexpr(FORMAT_IDS["bf16"])
-RESIDUAL_FACTOR = tl.constexpr(1.0 / (2.0 * RESIDUAL_SCALE))  # 2·r tiles -> r / 2.04
+RESIDUAL_FACTOR = tl.constexpr(1.0 / (2.0 * RESIDUAL_SCALE))  # 2·r sums -> r / 2.04
 
 
 @triton.jit
-def _dot(a, w_nk, IEEE: tl.constexpr):
-    """a [M, K] · w_nkᵀ -> [M, N] float32 (w_nk [N, K] holds values exact in a's dtype)."""
-    b = tl.trans(w_nk.to(a.dtype))
+def _dot(a, n_nk, MAGIC: tl.constexpr, IEEE: tl.constexpr):
+    """a [M, K] · (MAGIC + n)ᵀ -> [M, N] float32, for small non-negative integers n [N, K].
+
+    For bf16 (MAGIC 128) and fp16 (MAGIC 1024) activations, MAGIC + n is an exactly representable
+    float whose bit pattern is MAGIC's with n in the low mantissa bits: the operand is built with
+    one OR and a bitcast instead of an int-to-float conversion per weight. Callers subtract
+    MAGIC·Σa (precomputed row sums of the same rounded activations) once per row or block.
+    """
+    if MAGIC == 128:
+        w = (n_nk | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif MAGIC == 1024:
+        w = (n_nk | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        w = n_nk.to(a.dtype)
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a, tl.trans(w), input_precision="ieee")
+    return tl.dot(a, tl.trans(w))
 
 
 @triton.jit
-def _e8p_tile4(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K / 8] codes -> [BLOCK_N, BLOCK_K] int32 tile of 4·w (spec decode rule)."""
+def _fields8(x, WIDTH: tl.constexpr):
+    """[R, C] int32 -> [R, 8·C] int32: the 8 WIDTH-bit fields of each word, LSB first.
+
+    Built with tl.join, whose new minor dimension stays inside a thread: the thread that decoded
+    a code also expands it, instead of every lane of a broadcast layout redoing the per-code work.
+    Field k = 4a + 2b + c sits at index (a, b, c) of the joined [R, C, 2, 2, 2].
+    """
+    m = (1 << WIDTH) - 1
+    v0 = x & m
+    v1 = (x >> WIDTH) & m
+    v2 = (x >> 2 * WIDTH) & m
+    v3 = (x >> 3 * WIDTH) & m
+    v4 = (x >> 4 * WIDTH) & m
+    v5 = (x >> 5 * WIDTH) & m
+    v6 = (x >> 6 * WIDTH) & m
+    v7 = (x >> 7 * WIDTH) & m
+    c0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    c1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(c0, c1), (x.shape[0], x.shape[1] * 8))
+
+
+@triton.jit
+def _fields4(x):
+    """[R, C] int32 bytes -> [R, 4·C]: the four 2-bit fields of each byte, LSB first (k = 2a + b at (a, b))."""
+    b0 = tl.join(x & 3, (x >> 4) & 3)
+    b1 = tl.join((x >> 2) & 3, (x >> 6) & 3)
+    return tl.reshape(tl.join(b0, b1), (x.shape[0], x.shape[1] * 4))
+
+
+@triton.jit
+def _spread_bits_to_nibbles(f):
+    """Bit k of an 8-bit value -> bit 4k (Morton spreading in three shift-or-mask steps)."""
+    x = (f | (f << 12)) & 0x000F000F
+    x = (x | (x << 6)) & 0x03030303
+    return (x | (x << 3)) & 0x11111111
+
+
+@triton.jit
+def _e8p_nibbles(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 8] codes -> [BLOCK_N, BLOCK_K] int32 tile of n = (4·w + 15) / 2 in [0, 15].
+
+    Per code (spec decode rule, on whole 32-bit words): 4·w_k = ±(4|x_k|) + (p ? -1 : +1), so
+    n_k = 7 + q ± 2|x_k| with q = 1 - p; the table holds 2|x_k| per nibble, the sign byte is
+    spread to a nibble mask, and nibbles never carry (7 + q ± 2|x_k| stays in [0, 15]).
+    Per weight only a shift and a mask remain.
+    """
     if EVEN_K:
         c = tl.load(codes_ptrs).to(tl.int32) & 0xFFFF
     else:
@@ -55,101 +111,119 @@ def _e8p_tile4(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
     p = s ^ (s >> 4)
     p = p ^ (p >> 2)
     p = (p ^ (p >> 1)) & 1  # popcount(s) & 1: the shift is -1/4 when set
-    f = s ^ p
-    word = tl.load(table_ptr + (c >> 8))  # 2 bits per |coordinate| - 1/2, bit 16: odd row
-    k8 = tl.arange(0, 8)[None, None, :]
-    mag = ((word[:, :, None] >> (2 * k8)) & 3) * 4 + 2
-    neg = ((f[:, :, None] >> k8) & 1) ^ tl.where(k8 == 7, (word[:, :, None] >> 16) & 1, 0)
-    v = tl.where(neg != 0, -mag, mag) + (1 - 2 * p)[:, :, None]
-    return tl.reshape(v, (BLOCK_N, BLOCK_K))
+    word = tl.load(table_ptr + (c >> 8))
+    twice_abs = word & 0x77777777
+    f = s ^ p ^ ((word >> 24) & 0x80)  # odd rows negate their last coordinate
+    negative = _spread_bits_to_nibbles(f) * 15
+    base = -0x77777778 - p * 0x11111111  # 7 + q = 8 - p in every nibble: 0x88888888 as an int32
+    return _fields8(base + twice_abs - ((twice_abs & negative) << 1), 4)
 
 
 @triton.jit
-def _residual_tile2(res_ptrs, mask, rtable_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K / 8] residual codes -> [BLOCK_N, BLOCK_K] int32 tile of 2·r."""
+def _residual_nibbles(res_ptrs, mask, rtable_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 8] residual codes -> [BLOCK_N, BLOCK_K] int32 tile of 2·r + 4 in [0, 8]."""
     if EVEN_K:
         r = tl.load(res_ptrs).to(tl.int32) & 0xFF
     else:
         r = tl.load(res_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
-    word = tl.load(rtable_ptr + r)
-    k8 = tl.arange(0, 8)[None, None, :]
-    return tl.reshape(((word[:, :, None] >> (4 * k8)) & 15) - 4, (BLOCK_N, BLOCK_K))
+    return _fields8(tl.load(rtable_ptr + r), 4)
 
 
 @triton.jit
-def _qblock_levels(code_ptrs, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, 16] code bytes of one q1_0/q2_0 block -> [BLOCK_N, BLOCK_K] int32 levels (LSB first)."""
+def _qblock_codes(code_ptrs, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, 16] code bytes of one q1_0/q2_0 block -> [BLOCK_N, BLOCK_K] int32 codes (LSB first)."""
     b = tl.load(code_ptrs).to(tl.int32)
-    j = tl.arange(0, 8 // BITS)[None, None, :]
-    c = (b[:, :, None] >> (BITS * j)) & ((1 << BITS) - 1)
     if BITS == 1:
-        lv = 2 * c - 1  # bit set: +d, clear: -d
+        codes = _fields8(b, 1)
     else:
-        lv = c - 1  # (code - 1)·d
-    return tl.reshape(lv, (BLOCK_N, BLOCK_K))
+        codes = _fields4(b)
+    return codes
 
 
 @triton.jit
-def _qblock_product(a, k0, rows, w_ptr, d_ptr, stride_wn, stride_dn, BITS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """One GGUF block per K step (BLOCK_K == block): integer levels through the dot, d on the result."""
+def _qblock_product(a, a_sum, k0, rows, w_ptr, d_ptr, stride_wn, stride_dn, BITS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, IEEE: tl.constexpr):
+    """One GGUF block per K step (BLOCK_K == block): codes through the dot, levels and d on the result.
+
+    q1_0 level 2c - 1, q2_0 level c - 1, so a·level = L·(a·(MAGIC + c)) - (L·MAGIC + 1)·Σa with
+    L = 2 or 1; ``a_sum`` is Σa over this block.
+    """
     offs_b = k0 * BITS // 8 + tl.arange(0, BLOCK_K * BITS // 8)
-    lv = _qblock_levels(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], BITS, BLOCK_N, BLOCK_K)
+    codes = _qblock_codes(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], BITS, BLOCK_N, BLOCK_K)
     d = tl.load(d_ptr + rows * stride_dn + k0 // BLOCK_K).to(tl.float32)
-    return _dot(a, lv, IEEE) * d[None, :]
+    dot = _dot(a, codes, MAGIC, IEEE) * (3 - BITS) - ((3 - BITS) * MAGIC + 1) * a_sum[:, None]  # L = 3 - BITS
+    return dot * d[None, :]
 
 
 @triton.jit
-def _tile_product(a, k0, rows, K, w_ptr, aux_ptr, table_ptr, rtable_ptr, stride_wn, stride_xn,
+def _tile_product(a, a_sum, k0, rows, K, w_ptr, aux_ptr, table_ptr, rtable_ptr, stride_wn, stride_xn,
                   FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """a [M, BLOCK_K] · W[rows, k0:k0+BLOCK_K]ᵀ for one expert (pointers at the expert), row scale excluded.
+                  MAGIC: tl.constexpr, IEEE: tl.constexpr):
+    """One K step of a · W[rows]ᵀ for one expert (pointers at the expert).
 
+    bf16 and q formats return finished products (row scale of E8 excluded); E8 formats return
+    a·(MAGIC + n) sums, finished once per row by `_finish_e8` (their correction is linear in Σa).
     ``rows`` are clamped into the matrix, so weight loads need no row mask (surplus rows are
     dropped at the store); q formats always have whole blocks, EVEN_K drops the K mask.
     """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if FORMAT == BF16:
         w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        return _dot(a, w.to(tl.float32), IEEE)
+        if IEEE:
+            return tl.dot(a, tl.trans(w.to(a.dtype)), input_precision="ieee")
+        return tl.dot(a, tl.trans(w.to(a.dtype)))
     elif FORMAT == Q1_0:
-        return _qblock_product(a, k0, rows, w_ptr, aux_ptr, stride_wn, stride_xn, 1, BLOCK_N, BLOCK_K, IEEE)
+        return _qblock_product(a, a_sum, k0, rows, w_ptr, aux_ptr, stride_wn, stride_xn, 1, BLOCK_N, BLOCK_K,
+                               MAGIC, IEEE)
     elif FORMAT == Q2_0:
-        return _qblock_product(a, k0, rows, w_ptr, aux_ptr, stride_wn, stride_xn, 2, BLOCK_N, BLOCK_K, IEEE)
+        return _qblock_product(a, a_sum, k0, rows, w_ptr, aux_ptr, stride_wn, stride_xn, 2, BLOCK_N, BLOCK_K,
+                               MAGIC, IEEE)
     else:
         g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         gmask = (g < K // 8)[None, :]
-        part = _dot(a, _e8p_tile4(w_ptr + rows[:, None] * stride_wn + g[None, :], gmask, table_ptr,
-                                  BLOCK_N, BLOCK_K, EVEN_K), IEEE) * 0.25
-        if FORMAT == E8P3:
-            part += _dot(a, _residual_tile2(aux_ptr + rows[:, None] * stride_xn + g[None, :], gmask, rtable_ptr,
-                                            BLOCK_N, BLOCK_K, EVEN_K), IEEE) * RESIDUAL_FACTOR
-        return part
+        return _dot(a, _e8p_nibbles(w_ptr + rows[:, None] * stride_wn + g[None, :], gmask, table_ptr,
+                                    BLOCK_N, BLOCK_K, EVEN_K), MAGIC, IEEE)
 
 
 @triton.jit
-def _row_scaled(acc, rows, scale_ptr, stride_sn, FORMAT: tl.constexpr):
+def _residual_product(a, k0, rows, K, aux_ptr, rtable_ptr, stride_xn, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr, IEEE: tl.constexpr):
+    g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return _dot(a, _residual_nibbles(aux_ptr + rows[:, None] * stride_xn + g[None, :], (g < K // 8)[None, :],
+                                     rtable_ptr, BLOCK_N, BLOCK_K, EVEN_K), MAGIC, IEEE)
+
+
+@triton.jit
+def _finish(acc, acc_r, a_total, rows, scale_ptr, stride_sn, FORMAT: tl.constexpr, MAGIC: tl.constexpr):
+    """E8: 4·w = 2n - 15 and 2·r = (2r + 4) - 4, minus the MAGIC offsets, times the row scale."""
     if FORMAT == E8P or FORMAT == E8P3:
+        acc = 0.5 * acc - (0.25 * (2 * MAGIC + 15)) * a_total[:, None]
+        if FORMAT == E8P3:
+            acc += RESIDUAL_FACTOR * (acc_r - (MAGIC + 4) * a_total[:, None])
         s = tl.load(scale_ptr + rows * stride_sn).to(tl.float32)
         acc = acc * s[None, :]
     return acc
 
 
 @triton.jit
-def _expert_gemm(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
+def _expert_gemm(a_ptr, a_sum_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
                  w_ptr, aux_ptr, scale_ptr, table_ptr, rtable_ptr,
-                 N, K, num_pairs, stride_am, stride_om,
+                 N, K, num_pairs, stride_am, stride_sm, stride_om,
                  stride_we, stride_wn, stride_xe, stride_xn, stride_se, stride_sn,
                  FORMAT: tl.constexpr, DUAL: tl.constexpr, ROUTED: tl.constexpr, A_ROW_DIV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 MAGIC: tl.constexpr, IEEE: tl.constexpr):
+    """a_sum [rows of a, K / block] holds Σa per q block (q formats) or per row (E8 formats)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return  # a padding block past the last expert's pairs
     pairs = tl.load(pair_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     pmask = pairs < num_pairs
     # Padding pairs and surplus rows read real (clamped) data and are dropped at the store.
-    a_ptrs = a_ptr + (tl.minimum(pairs, num_pairs - 1) // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
+    a_rows = (tl.minimum(pairs, num_pairs - 1) // A_ROW_DIV).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am
+    sum_ptrs = a_sum_ptr + a_rows * stride_sm
     out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(out_rows, N - 1)
     e64 = expert.to(tl.int64)
@@ -157,21 +231,37 @@ def _expert_gemm(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
     x_e = aux_ptr + e64 * stride_xe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up_r = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs + (k0 + offs_k)[None, :])
         else:
             a = tl.load(a_ptrs + (k0 + offs_k)[None, :], mask=((k0 + offs_k) < K)[None, :], other=0.0)
-        acc += _tile_product(a, k0, rows, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn, stride_xn,
-                             FORMAT, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+        if FORMAT == Q1_0 or FORMAT == Q2_0:
+            a_sum = tl.load(sum_ptrs + k0 // BLOCK_K)
+        else:
+            a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused: E8 corrects once per row
+        acc += _tile_product(a, a_sum, k0, rows, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn, stride_xn,
+                             FORMAT, BLOCK_N, BLOCK_K, EVEN_K, MAGIC, IEEE)
+        if FORMAT == E8P3:
+            acc_r += _residual_product(a, k0, rows, K, x_e, rtable_ptr, stride_xn, BLOCK_N, BLOCK_K, EVEN_K,
+                                       MAGIC, IEEE)
         if DUAL:  # up rows sit N below the gate rows; same pass, same activation tile
-            acc_up += _tile_product(a, k0, rows + N, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn,
-                                    stride_xn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+            acc_up += _tile_product(a, a_sum, k0, rows + N, K, w_e, x_e, table_ptr, rtable_ptr, stride_wn,
+                                    stride_xn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K, MAGIC, IEEE)
+            if FORMAT == E8P3:
+                acc_up_r += _residual_product(a, k0, rows + N, K, x_e, rtable_ptr, stride_xn, BLOCK_N, BLOCK_K,
+                                              EVEN_K, MAGIC, IEEE)
+    if FORMAT == E8P or FORMAT == E8P3:
+        a_total = tl.load(sum_ptrs)
+    else:
+        a_total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     s_e = scale_ptr + e64 * stride_se
-    val = _row_scaled(acc, rows, s_e, stride_sn, FORMAT)
+    val = _finish(acc, acc_r, a_total, rows, s_e, stride_sn, FORMAT, MAGIC)
     if DUAL:
-        up = _row_scaled(acc_up, rows + N, s_e, stride_sn, FORMAT)
+        up = _finish(acc_up, acc_up_r, a_total, rows + N, s_e, stride_sn, FORMAT, MAGIC)
         val = val * tl.sigmoid(val) * up
     if ROUTED:
         val = val * tl.load(routing_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)[:, None]

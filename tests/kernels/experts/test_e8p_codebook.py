@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from server.kernels.experts import e8p
-from server.kernels.experts.moe_triton import _e8p_tile4, _residual_tile2
+from server.kernels.experts.moe_triton import _e8p_nibbles, _residual_nibbles
 
 
 def test_abs_table_row_counts_by_norm_match_spec():
@@ -49,8 +49,8 @@ def _decode_tile_kernel(codes_ptr, res_ptr, table_ptr, rtable_ptr, out_ptr, rout
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.arange(0, BLOCK_K // 8)
     ptrs = rows[:, None] * (BLOCK_K // 8) + g[None, :]
-    w4 = _e8p_tile4(codes_ptr + ptrs, None, table_ptr, BLOCK_N, BLOCK_K, True)
-    r2 = _residual_tile2(res_ptr + ptrs, None, rtable_ptr, BLOCK_N, BLOCK_K, True)
+    w4 = _e8p_nibbles(codes_ptr + ptrs, None, table_ptr, BLOCK_N, BLOCK_K, True) * 2 - 15
+    r2 = _residual_nibbles(res_ptr + ptrs, None, rtable_ptr, BLOCK_N, BLOCK_K, True) - 4
     offs = rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
     tl.store(out_ptr + offs, w4)
     tl.store(rout_ptr + offs, r2)

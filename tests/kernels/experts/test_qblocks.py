@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from server.kernels.experts import qblocks
-from server.kernels.experts.moe_triton import _qblock_levels
+from server.kernels.experts.moe_triton import _qblock_codes
 
 
 def _ggml_dequantize_block(raw: bytes, fmt: str) -> list[float]:
@@ -56,7 +56,8 @@ def test_gguf_blocks_round_trip_losslessly(fmt):
 def _levels_kernel(codes_ptr, out_ptr, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * 16 + tl.arange(0, 16)
     nbytes: tl.constexpr = BLOCK_K * BITS // 8
-    lv = _qblock_levels(codes_ptr + rows[:, None] * nbytes + tl.arange(0, nbytes)[None, :], BITS, 16, BLOCK_K)
+    c = _qblock_codes(codes_ptr + rows[:, None] * nbytes + tl.arange(0, nbytes)[None, :], BITS, 16, BLOCK_K)
+    lv = c * (3 - BITS) - 1  # the kernel's level map: q1_0 2c - 1, q2_0 c - 1
     tl.store(out_ptr + rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], lv)
 
 
