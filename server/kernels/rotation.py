@@ -20,6 +20,7 @@ Shared by the TurboQuant KV cache and the expert-weight formats.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -61,6 +62,13 @@ def sign_words_tensor(words: SignWords, device: torch.device | str) -> torch.Ten
     # int32 view of the unsigned words (two's complement), so kernels can shift them.
     vals = [int(x) & 0xFFFFFFFF for x in words]
     return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in vals], dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_words(words: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Built once per table and device: a host-to-device copy per call would cost a sync and is not
+    # allowed while a CUDA graph is being captured (the experts rotate activations inside the model).
+    return sign_words_tensor(words, device)
 
 
 def flip_signs(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -171,7 +179,7 @@ def rotate_triton(
     if n_rows:
         with timed("rotation", x.device):
             _rotate_kernel[(triton.cdiv(n_rows, rows),)](
-                src, out, sign_words_tensor(first, x.device), sign_words_tensor(second, x.device),
+                src, out, _device_words(tuple(first), x.device), _device_words(tuple(second), x.device),
                 n_rows, inv_sqrt_group(group), ROWS=rows, GROUP=group, LOG2_GROUP=group.bit_length() - 1,
             )
     return out
