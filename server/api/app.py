@@ -76,10 +76,18 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         body = await read_request(request, CompletionRequest)
         return await create_completion(ctx, request, body)
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "turboserve",
+                "max_model_len": ctx.max_model_len}
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
-                                            "owned_by": "turboserve", "max_model_len": ctx.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str):
+        ctx.check_model(model)
+        return model_card()
 
     app.include_router(v1)
 

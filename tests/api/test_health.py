@@ -35,3 +35,6 @@ def test_health_version_and_models_when_alive(api_server):
     assert version and version[0].isdigit()
     models = httpx.get(api_server.v1 + "/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
+    assert httpx.get(api_server.v1 + "/models/SmolLM2-135M-Instruct").json() == models["data"][0]
+    missing = httpx.get(api_server.v1 + "/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
