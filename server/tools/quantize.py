@@ -31,8 +31,10 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"turboserve quantize: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {written} quantized MLP module(s) in {args.format} to {args.out}; serve with "
-          f"`turboserve serve --model {args.out}`")
+    from server.kernels.experts.weights import bits_per_weight
+
+    print(f"wrote {written} quantized MLP module(s) in {args.format} ({bits_per_weight(args.format)} bits/weight) "
+          f"to {args.out}; serve with `turboserve serve --model {args.out}`")
     return 0
 
 

@@ -87,3 +87,18 @@ def test_q1_quantizer_uses_mean_magnitude():
     d, codes = qblocks.quantize(qblocks.Q1_0, w)
     assert torch.allclose(d.float()[:, 0], w.abs().mean(1), rtol=1e-3)
     assert torch.equal(qblocks.dequantize(qblocks.Q1_0, d, codes).sign(), torch.where(w >= 0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("fmt", ["q1_0", "q2_0"])
+def test_gguf_expert_tensor_is_used_without_requantizing(fmt):
+    """Raw GGUF bytes of an [E, N, K] expert stack -> ExpertWeights decoding to exactly the same weights."""
+    from server.kernels.experts import weights
+
+    f = qblocks.BLOCK_FORMATS[fmt]
+    q = weights.quantize(torch.randn(3, 5, 2 * f.block), fmt, rotate=False)
+    raw = qblocks.to_gguf_blocks(f, q.tensors["d"], q.tensors["codes"])  # what a GGUF file holds
+    w = weights.from_gguf(fmt, raw.reshape(-1), 5, 2 * f.block)
+    assert w.shape == (3, 5, 2 * f.block) and w.signs is None
+    assert torch.equal(w.dequantize(), q.dequantize())
+    with pytest.raises(ValueError, match="not whole"):
+        weights.from_gguf(fmt, raw.reshape(-1)[:-3], 5, 2 * f.block)

@@ -74,3 +74,17 @@ def test_quantize_refuses_what_it_cannot_do(base, tmp_path):
     make_checkpoint("mixtral", narrow, seed=1)  # hidden 64: not a whole q1_0 block
     with pytest.raises(ValueError, match="units of 128 weights; input width 64"):
         quantize_model(narrow, "q1_0", str(tmp_path / "y"))
+
+
+def test_cli_quantizes_dense_mlps_only_when_asked(tmp_path, capsys):
+    from server.cli import main
+
+    dense = str(tmp_path / "dense")
+    make_checkpoint("qwen3", dense, seed=2)  # hidden 64, intermediate 96: e8p-compatible widths
+    out = str(tmp_path / "q")
+    assert main(["quantize", "--model", dense, "--format", "e8p", "--out", out]) == 2
+    assert "no MoE experts to quantize; pass --include-dense-mlp" in capsys.readouterr().err
+    assert main(["quantize", "--model", dense, "--format", "e8p", "--out", out, "--include-dense-mlp"]) == 0
+    assert "wrote 2 quantized MLP module(s) in e8p (2.0 bits/weight)" in capsys.readouterr().out
+    loaded, logits = _logits(out)
+    assert type(loaded.model.layers[1].mlp).__name__ == "QuantizedMLP" and torch.isfinite(logits).all()
