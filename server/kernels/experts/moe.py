@@ -11,6 +11,7 @@ import logging
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from server.kernels.backend import use_triton
 from server.kernels.experts import e8p
@@ -41,9 +42,13 @@ def fused_moe(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWei
     """x [T, D], topk_weights/topk_ids [T, top_k] -> y [T, D] in x's dtype."""
     check_moe_args(x, topk_weights, topk_ids, gate_up, down)
     if use_triton(x):
-        if x.dtype in _FAST_DTYPES:
-            return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down)
-        _say_once(f"quantized experts: no Triton body for activations of dtype {x.dtype}; using the reference")
+        if x.dtype not in _FAST_DTYPES:
+            _say_once(f"quantized experts: no Triton body for activations of dtype {x.dtype}; using the reference")
+        else:
+            try:
+                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down)
+            except OutOfResources as exc:  # spec "Guards": slower but correct, said once, never silent
+                _say_once(f"quantized experts: {gate_up.format} kernel does not fit this GPU ({exc}); using the reference")
     return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down)
 
 

@@ -123,3 +123,18 @@ def test_quantized_weights_error_follows_format_distortion(fmt, expected):
     rel = ((w_hat - w[0].double()) ** 2).mean().item() / w.var().item()
     assert rel < 1.1 * expected, f"{fmt}: relative MSE {rel:.4f}, expected about {expected}"
     assert rel > 0.6 * expected
+
+
+def test_a_kernel_that_does_not_fit_falls_back_to_the_reference_and_says_so(monkeypatch, caplog):
+    from triton.runtime.errors import OutOfResources
+
+    def too_big(*args, **kwargs):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(moe, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe, "fused_moe_triton", too_big)
+    x, w, ids, gu, dn = _problem("q2_0", 2, 64, 64, tokens=2, top_k=1, seed=8)
+    with caplog.at_level("WARNING"):
+        y = moe.fused_moe(x, w, ids, gu, dn)
+    assert torch.equal(y, fused_moe_reference(x, w, ids, gu, dn))
+    assert "q2_0 kernel does not fit this GPU" in caplog.text
