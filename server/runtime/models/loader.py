@@ -144,6 +144,8 @@ def load_model(path: str | None, device: torch.device, dtype: torch.dtype) -> Lo
     log.info("loading model from %s onto %s as %s", path, device, dtype)
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         loaded = _load_gguf(path, device, dtype)
+    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "quantization.json")):
+        loaded = _load_quantized_dir(path, device, dtype)
     elif os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
         loaded = _load_hf_dir(path, device, dtype)
     elif not os.path.exists(path):
