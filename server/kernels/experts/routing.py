@@ -34,7 +34,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     num_pairs = flat.numel()
     dev = flat.device
     order = torch.argsort(flat, stable=True)  # stable: a token's slots stay in order within an expert
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # scatter_add, not bincount: CUDA bincount reads the max id back to the host (a sync that a
+    # CUDA graph capture forbids).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     sorted_e = flat[order]
