@@ -177,7 +177,7 @@ def _rotation_and_store_rows(device) -> list[Row]:
         moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind) + slots.numel() * 8
         for per_program in (16, 4, 8):  # the first is the default
             ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
-                                                      rows_per_program=per_program), device=device)
+                                                      store.k_offset, rows_per_program=per_program), device=device)
             rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
                             "bf16 index_copy_ of K and V", f"{per_program} token-head rows per program"))
     return rows

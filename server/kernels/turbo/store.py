@@ -4,6 +4,14 @@ Pages: codes [num_pages, kv_heads, page_size, row_bytes] uint8 and norms
 [num_pages, kv_heads, page_size, D / G] fp16, separately for K and V (format.py has the row
 layout). A page's rows for one head are contiguous, so a decode program reads
 page_size * row_bytes consecutive bytes per page.
+
+Key offset: the store quantizes k - m, with m = ``k_offset`` (float32 [kv_heads, D], fixed
+for the store's life; zeros by default, which is the spec's plain format). Attention then
+sees k - m instead of k, which changes every score of a query row by the same <q, m>, and
+softmax (causal mask included) is blind to that: the output is that of the keys the pages
+stand for (decoded + m), and no attention kernel knows about m. It pays because real keys share a large common direction per head:
+subtracting it leaves the quantizer the part that differs between tokens
+(server/runtime/kv_calibration.py picks m; docs/BENCHMARKS.md has the perplexity).
 """
 
 from __future__ import annotations
@@ -53,6 +61,18 @@ class TurboKVStore:
         group = group_size(head_dim)
         self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
         self.inv_sqrt = inv_sqrt_group(group)
+        self.k_offset = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
+
+    def set_k_offset(self, offset: torch.Tensor) -> None:
+        """Quantize k - offset from now on ([kv_heads, D], finite). Set it before the first write:
+        pages written earlier hold k minus the old offset, and one sequence must not mix the two
+        (softmax is blind to one shift per row, not to a different shift per key)."""
+        if tuple(offset.shape) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"k_offset must have shape [{self.num_kv_heads}, {self.head_dim}] (kv_heads, head_dim), "
+                             f"got {tuple(offset.shape)}")
+        if not torch.isfinite(offset).all():
+            raise ValueError("k_offset must be finite; a NaN or infinity would poison every key it is subtracted from")
+        self.k_offset.copy_(offset)  # in place: captured CUDA graphs keep reading this tensor
 
     @staticmethod
     def bits_per_value(kind: str) -> float:
@@ -75,12 +95,12 @@ class TurboKVStore:
         if slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {tuple(slot_mapping.shape)}")
         if use_triton(k):
-            store_turbo_triton(k, v, slot_mapping, self.k, self.v, self.signs, self.inv_sqrt)
+            store_turbo_triton(k, v, slot_mapping, self.k, self.v, self.signs, self.inv_sqrt, self.k_offset)
             return
         keep = slot_mapping >= 0  # a negative slot marks a padding token
         slots = slot_mapping[keep].long()
         page, offset = slots // self.page_size, slots % self.page_size
-        for pages, kind, x in ((self.k, self.k_kind, k), (self.v, self.v_kind, v)):
+        for pages, kind, x in ((self.k, self.k_kind, k.float() - self.k_offset), (self.v, self.v_kind, v)):
             codes, norms = quantize_reference(x[keep], kind)
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms

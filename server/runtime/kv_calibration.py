@@ -1,0 +1,99 @@
+"""Key offsets for turbo K caches: the mean key of each (layer, KV head), measured once at start-up.
+
+TurboKVStore quantizes k - m instead of k (its docstring says why attention is unchanged).
+Real keys share a large direction per head (on SmolLM2-135M the mean key is about 80% of a
+key's length), and the quantizer's error is relative to the whole vector, so subtracting
+the mean leaves the quantizer only the part that tells tokens apart. m is the mean of the
+post-RoPE keys of one forward pass over CALIBRATION_TEXT with a dense cache in the model's
+own dtype: fixed per model (never per batch or sequence, so batch invariance holds),
+deterministic, and one short prefill at start-up. The first token is left out: it is the
+attention sink, whose key is unlike the others.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
+
+log = logging.getLogger(__name__)
+
+# Plain prose (written for this file): ordinary English text, numbers and a quotation.
+CALIBRATION_TEXT = (
+    'The harbour town woke slowly on the first cold morning of autumn. Fishing boats rocked against the pier '
+    "while gulls argued over the remains of yesterday's catch, and the baker on the corner opened his "
+    'shutters to let the smell of fresh bread drift down the street. Most of the people who lived there had '
+    'done the same work for generations: they mended nets, repaired engines, sold fish at the market and kept'
+    ' the small school running for the children who would one day take their place.\n\n'
+    'In the library above the post office, a retired engineer was writing a history of the lighthouse. He had'
+    ' found letters from the nineteenth century describing how the first lamp was carried up the hill by '
+    'horse and cart, how the keepers recorded every passing ship in a leather book, and how a storm in 1887 '
+    'broke every window in the tower. "We forget," he wrote, "that the light was never automatic. Someone had'
+    ' to climb those stairs every evening, trim the wick and wind the clockwork, whatever the weather."\n\n'
+    'The council meeting that evening discussed three questions: whether to widen the road to the station, '
+    'how to pay for a new roof on the school, and what to do about the rising cost of fuel for the boats. The'
+    ' treasurer presented a budget with 4 options, each costing between 12,000 and 35,000 pounds. After two '
+    'hours of debate they agreed to ask the regional government for a grant, to postpone the road works until'
+    ' spring, and to form a committee of five members to study the fuel problem.\n\n'
+    'Scientists at the university nearby measured the temperature of the sea every week. Their data showed '
+    'that the water had warmed by almost one degree over thirty years, and that some species of fish were '
+    'moving north. A young researcher explained the results in simple terms to the fishermen: the ocean '
+    'absorbs most of the extra heat trapped by greenhouse gases, so changes that are small on average can '
+    'still move entire ecosystems.'
+)
+CALIBRATION_PAGE_SIZE = 16
+SKIPPED_TOKENS = 1  # the attention sink
+
+
+class _KeyRecorder:
+    """A dense store that keeps the last keys it was given (one layer)."""
+
+    def __init__(self, store: DenseKVStore):
+        self.store, self.page_size, self.keys = store, store.page_size, None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.keys = k.float()
+        self.store.write(k, v, slot_mapping)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.store.attend(q, meta, scale)
+
+
+@torch.inference_mode()
+def mean_keys(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
+              device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the mean key, float32 [kv_heads, D],
+    over all tokens but the first."""
+    n = len(token_ids)
+    if n <= SKIPPED_TOKENS:
+        raise ValueError(f"key calibration needs more than {SKIPPED_TOKENS} tokens, got {n}")
+    pages = -(-n // CALIBRATION_PAGE_SIZE)
+    recorders = [_KeyRecorder(DenseKVStore(pages, CALIBRATION_PAGE_SIZE, num_kv_heads, head_dim, dtype, device))
+                 for _ in range(num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.arange(pages, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens_cpu=[n], query_lens_cpu=[n],
+    )  # fmt: skip
+    ids = torch.tensor(token_ids, device=device)
+    model.forward(ids, torch.arange(n, device=device), recorders, meta)
+    return [r.keys[SKIPPED_TOKENS:].mean(0) for r in recorders]
+
+
+def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
+                          device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
+    """Measure the mean keys on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
+    store its layer's offset (TurboKVStore.set_k_offset). Call before anything is written."""
+    token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
+    offsets = mean_keys(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
+    for store, offset in zip(stores, offsets):
+        store.set_k_offset(offset)
+    norms = torch.stack([o.norm(dim=-1) for o in offsets])  # [layers, kv_heads]
+    log.info(
+        "turbo K offsets: mean key per layer and KV head over %d calibration tokens; |m| min %.3g, mean %.3g, max %.3g",
+        len(token_ids) - SKIPPED_TOKENS, norms.min().item(), norms.mean().item(), norms.max().item(),
+    )  # fmt: skip
