@@ -25,7 +25,10 @@ from server.kernels.backend import use_triton
 
 MAX_ROWS = 16  # above this the matmul is no longer weight streaming: cuBLAS tiles win
 PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a short tail
-TILE_ELEMENTS = 8192  # BLOCK_N * BLOCK_K: 16 KiB of bf16 weights per program per iteration
+# BLOCK_N * BLOCK_K: 16 KiB of bf16 weights per program per iteration on the CUDA cores (64 fp32
+# accumulators a thread at 4 warps); half that for tensor cores, whose pipelined W and x tiles sit in
+# shared memory (3 stages x 16 KiB keeps 4 programs resident per SM).
+TILE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -75,7 +78,8 @@ def _config(rows: int, n: int, k: int) -> tuple[int, int, int]:
         block_m, block_n = 1, min(max(slab, 4), 32)
     else:  # tl.dot needs every tile side >= 16
         block_m, block_n = 16, min(max(slab, 16), 64)
-    block_k = max(16, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(k)))
+    tile = TILE_ELEMENTS if rows == 1 else TILE_ELEMENTS // 2
+    block_k = max(16, min(tile // block_n, triton.next_power_of_2(k)))
     return block_m, block_n, block_k
 
 

@@ -23,6 +23,15 @@ from server.runtime.models.config import ModelConfig
 from server.runtime.models.rope import RotaryEmbedding
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; decode-sized inputs on the fast path stream the weight through server/kernels/gemv.py."""
+    if use_triton(x):
+        from server.kernels.gemv import linear as skinny_or_cublas  # Triton is imported only where it runs
+
+        return skinny_or_cublas(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -51,7 +60,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with timed("gate_up_proj", x.device):
-            gate_up = self.gate_up_proj(x)
+            gate_up = linear(x, self.gate_up_proj.weight)
         if use_triton(gate_up):
             from server.kernels.swiglu import silu_and_mul
 
@@ -60,7 +69,7 @@ class DenseMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         with timed("down_proj", x.device):
-            return self.down_proj(act)
+            return linear(act, self.down_proj.weight)
 
 
 class Attention(nn.Module):
@@ -80,7 +89,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         with timed("qkv_proj", x.device):
-            qkv = self.qkv_proj(x)
+            qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
             dim=-1,
@@ -94,7 +103,7 @@ class Attention(nn.Module):
         kv.write(k, v, meta.slot_mapping)
         out = kv.attend(q, meta, self.scale)
         with timed("o_proj", x.device):
-            return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+            return linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -143,4 +152,4 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (only the rows that need logits) -> float32 logits [N, vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
