@@ -4,7 +4,9 @@ CI has no GPU, so this is where the Triton kernels meet bf16 and real sizes:
 1. correctness: paged decode/prefill, KV write, fused RMSNorm/rotary/SwiGLU in bf16 vs the torch
    references; CUDA-graph replay vs eager forward (padding rows included);
 2. kernel timings next to the obvious baselines: decode vs SDPA over contiguous K/V, prefill vs
-   causal SDPA, and a bf16 GEMV (the floor under batch-1 decode of any engine using cuBLAS).
+   causal SDPA, and a bf16 GEMV (the floor under batch-1 decode of any engine using cuBLAS);
+3. the skinny decode matmul (server/kernels/gemv.py) at the Llama-3-8B projection shapes, M=1 and M=8:
+   bf16 error vs F.linear and time / TB/s next to F.linear.
 Exits non-zero when a correctness check fails.
 """
 
@@ -21,14 +23,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import copy_bandwidth_gbs, require_gpu, time_ms  # noqa: E402
+from bench.harness import copy_bandwidth_gbs, require_gpu, rotation_count, time_ms  # noqa: E402
 from server.kernels.dense_attention import paged_attention, paged_decode, write_kv_pages  # noqa: E402
+from server.kernels.gemv import skinny_matmul  # noqa: E402
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference  # noqa: E402
 from server.kernels.rmsnorm import rms_norm  # noqa: E402
 from server.kernels.rotary import apply_rotary  # noqa: E402
 from server.kernels.swiglu import silu_and_mul  # noqa: E402
 
 PAGE = 16
+# Llama-3-8B projections as [out rows N, in K]: what one decode step streams, layer by layer.
+GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (128256, 4096)}  # fmt: skip
 failures: list[str] = []
 
 
@@ -156,6 +162,34 @@ def check_graph_replay(device) -> None:
     torch.cuda.empty_cache()
 
 
+def check_gemv(device) -> None:
+    for name, (n, k) in GEMV_SHAPES.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5  # outputs ~ N(0, 1)
+        bias = torch.randn(n, device=device, dtype=torch.bfloat16) if name == "qkv" else None  # Qwen2 has one
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            ours, cublas = skinny_matmul(x, w, bias), F.linear(x, w, bias)
+            check(f"skinny_matmul bf16 {name} {n}x{k} M={rows} vs F.linear", ours, cublas, 2e-2, 1 / 64)
+            exact = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            check(f"skinny_matmul bf16 {name} {n}x{k} M={rows} vs float32", ours, exact, 1e-2, 1 / 128)
+        del w
+
+
+def gemv_timings(device, copy_gbs: float) -> None:
+    print(f"\nskinny matmul (gemv.py) vs F.linear, bf16; weight bytes over time, copy {copy_gbs:.0f} GB/s")
+    for name, (n, k) in GEMV_SHAPES.items():
+        copies = rotation_count(2 * n * k, device, limit=4)
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            ours = time_ms(lambda i: skinny_matmul(x, weights[i]), n_inputs=len(weights), iters=50, device=device)
+            cublas = time_ms(lambda i: F.linear(x, weights[i]), n_inputs=len(weights), iters=50, device=device)
+            print(f"{name} {n}x{k} M={rows}: ours {ours * 1e3:.1f} us ({2 * n * k / ours / 1e9:.2f} TB/s, "
+                  f"{2 * n * k / ours / 1e6 / copy_gbs:.0%} of copy); F.linear {cublas * 1e3:.1f} us "
+                  f"({2 * n * k / cublas / 1e9:.2f} TB/s)", flush=True)  # fmt: skip
+        del weights
+
+
 def kernel_timings(device, copy_gbs: float) -> None:
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     for batch, ctx, q_heads, kv_heads in [(8, 65536, 32, 8), (1, 65536, 32, 8), (32, 2048, 32, 8), (1, 512, 9, 3)]:
@@ -194,14 +228,20 @@ def main() -> int:
     device = require_gpu()
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    for section in (check_attention, check_fused_ops, check_graph_replay):
+    for section in (check_attention, check_fused_ops, check_gemv, check_graph_replay):
         try:
             section(device)
         except Exception:  # report and go on: one GPU run has to tell us everything it can
             traceback.print_exc()
             failures.append(section.__name__ + " raised")
     print(f"correctness checks: {len(failures)} failed {failures} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    kernel_timings(device, copy_bandwidth_gbs(device))
+    copy_gbs = copy_bandwidth_gbs(device)
+    kernel_timings(device, copy_gbs)
+    try:
+        gemv_timings(device, copy_gbs)
+    except Exception:  # the timings above still stand; the failure is reported and fails the run
+        traceback.print_exc()
+        failures.append("gemv_timings raised")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 1 if failures else 0
 

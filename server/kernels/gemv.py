@@ -16,13 +16,20 @@ allocator, nothing synchronizes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from server.kernels.backend import use_triton
 
+log = logging.getLogger(__name__)
+
+_unusable: str | None = None  # why the kernel cannot run on this GPU, once a build failed (then F.linear only)
 MAX_ROWS = 16  # above this the matmul is no longer weight streaming: cuBLAS tiles win
 PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a short tail
 # BLOCK_N * BLOCK_K: 16 KiB of bf16 weights per program per iteration on the CUDA cores (64 fp32
@@ -115,15 +122,22 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); decode-sized inputs (<= MAX_ROWS rows after flattening) take skinny_matmul."""
+    global _unusable
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (
-        use_triton(x)
+        _unusable is None
+        and use_triton(x)
         and 1 <= rows <= MAX_ROWS
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
     ):
-        y = skinny_matmul(x.reshape(rows, k).contiguous(), weight, bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        try:
+            y = skinny_matmul(x.reshape(rows, k).contiguous(), weight, bias)
+        except (CompilationError, OutOfResources) as exc:  # slower but correct, said once, never silent
+            _unusable = f"{type(exc).__name__}: {exc}"
+            log.warning("skinny matmul does not build on this GPU (%s); projections use F.linear", _unusable)
+        else:
+            return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

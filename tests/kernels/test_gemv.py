@@ -14,7 +14,8 @@ from server.kernels import gemv
 NARROW = [(1, 37, 70), (3, 37, 70), (16, 45, 2100), (1, 37, 2100)]
 # N = 17000 picks the widest slabs (32 rows, see gemv._config); once per body, for interpreter time.
 WIDE = [(1, 17000, 40, torch.float16, True), (5, 17000, 40, torch.float16, True)]
-CASES = [(*shape, dtype, bias) for shape in NARROW for dtype in (torch.float32, torch.float16) for bias in (False, True)]
+DTYPES = (torch.float32, torch.float16)
+CASES = [(*shape, dtype, bias) for shape in NARROW for dtype in DTYPES for bias in (False, True)]
 # Output rounding: fp16 results may differ from another fp32-accumulated result by one fp16 ulp (2^-10).
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2.0**-10)}
 
@@ -70,3 +71,19 @@ def test_skinny_matmul_rejects_bad_shapes():
         gemv.skinny_matmul(torch.randn(17, 32), w)
     with pytest.raises(ValueError, match="one dtype"):
         gemv.skinny_matmul(torch.randn(1, 32, dtype=torch.float16), w)
+
+
+def test_a_kernel_that_does_not_build_falls_back_to_f_linear_and_says_so(monkeypatch, caplog):
+    from triton.runtime.errors import OutOfResources
+
+    def too_big(*args):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(gemv, "skinny_matmul", too_big)
+    monkeypatch.setattr(gemv, "_unusable", None)
+    x, w = torch.randn(2, 40, dtype=torch.float16), torch.randn(24, 40, dtype=torch.float16)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+    assert "skinny matmul does not build on this GPU" in caplog.text
+    assert gemv._unusable is not None, "one failed build turns the kernel off for the process (no rebuild per call)"
