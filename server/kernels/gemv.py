@@ -33,8 +33,8 @@ _unusable: str | None = None  # why the kernel cannot run on this GPU, once a bu
 MAX_ROWS = 16  # above this the matmul is no longer weight streaming: cuBLAS tiles win
 PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a short tail
 # BLOCK_N * BLOCK_K: 16 KiB of bf16 weights per program per iteration on the CUDA cores (64 fp32
-# accumulators a thread at 4 warps); half that for tensor cores, whose pipelined W and x tiles sit in
-# shared memory (3 stages x 16 KiB keeps 4 programs resident per SM).
+# accumulators a thread at 4 warps, ~120 registers: 4 programs per SM, each with 2 tiles in flight);
+# half that for tensor cores, whose W and padded x tiles both take shared memory in every stage.
 TILE_ELEMENTS = 8192
 
 
@@ -42,7 +42,7 @@ TILE_ELEMENTS = 8192
 def _skinny_matmul_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N re-read row N-1 instead of masking: the W loads stay unpredicated and vectorized;
@@ -54,7 +54,8 @@ def _skinny_matmul_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # An explicit stage count: Triton pipelines (cp.async) loops without a tl.dot only when asked.
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + w_rows[:, None] + cols[None, :]
         x_ptrs = x_ptr + m[:, None] * stride_xm + cols[None, :]
@@ -115,7 +116,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias_arg, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
-        num_warps=4, num_stages=3,
+        STAGES=3 if block_m == 1 else 4, num_warps=4,
     )  # fmt: skip
     return y
 
