@@ -62,7 +62,8 @@ def gguf_tensors(hf_model, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(hf_model, arch: str, path: str) -> None:
+def write_gguf(hf_model, arch: str, path: str, add_tensor=None) -> None:
+    """``add_tensor(writer, name, float32 array)`` writes one tensor; by default as F32."""
     c = hf_model.config
     g = GGUF_ARCH[arch]
     w = gguf.GGUFWriter(path, g)
@@ -96,8 +97,9 @@ def write_gguf(hf_model, arch: str, path: str) -> None:
     w.add_token_merges([])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    add_tensor = add_tensor or (lambda writer, name, a: writer.add_tensor(name, a))
     for name, a in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        add_tensor(w, name, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

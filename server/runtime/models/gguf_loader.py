@@ -6,21 +6,31 @@ load (``_unpermute_rows``), so every model here uses the one "rotate half" RoPE 
 GGUFs are written unpermuted (llama.cpp rotates them NEOX-style, i.e. rotate half) and are left as they are.
 
 The quantized blocks themselves stay reachable as ``RawTensor``s (rows un-permuted the same way), for
-kernels that multiply them directly.
+kernels that multiply them directly. MLPs stored in llama.cpp's 1- and 2-bit block types (q1_0 = 41,
+q2_0 = 42; specs/expert-formats.md) are not dequantized at all: ``GGUFTensors.block_mlps`` builds the
+quantized expert modules straight from their blocks. The installed gguf package may not know these
+types (it cannot dequantize q1_0 and has no type 42), so ``GGUFReader`` locates their bytes itself and
+only server/kernels/experts/qblocks.py ever decodes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any, Callable
 
 import gguf
 import numpy as np
 import torch
+from torch import nn
 
+from server.kernels.experts import qblocks  # block geometry and decoder of q1_0/q2_0 (plain torch)
 from server.runtime.models.config import ModelConfig, unsupported_architecture
+
+log = logging.getLogger(__name__)
 
 # general.architecture -> ours ("llama" with experts is Mixtral).
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
@@ -46,6 +56,57 @@ _PER_LAYER = {
 }
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# One projection of an MLP, under our names: routed experts, a dense MLP, Qwen2-MoE's shared expert.
+_MLP_PROJECTION = re.compile(r"(.+)\.(gate|up|down)(_exps|_proj\.weight)")
+
+
+class BlockGGMLType(IntEnum):
+    """The block types of qblocks.py, for gguf versions that lack them (same names and ids as ggml)."""
+
+    Q1_0 = qblocks.GGML_TYPE["q1_0"]
+    Q2_0 = qblocks.GGML_TYPE["q2_0"]
+
+
+# GGML type id -> our block format, for the types turboserve decodes itself.
+_BLOCK_FORMATS = {qblocks.GGML_TYPE[name]: fmt for name, fmt in qblocks.BLOCK_FORMATS.items()}
+_GGUF_READS = {t.value for t in gguf.GGMLQuantizationType if t in gguf.GGML_QUANT_SIZES}
+
+
+class GGUFReader(gguf.GGUFReader):
+    """gguf's reader, plus tensors of the block types it does not know (q2_0, type 42, in gguf 0.19).
+
+    Their bytes are located from the tensor info alone: the data offset, and a size from the block
+    geometry (18 bytes per block, qblocks.py). ``data`` is then uint8 [..., rows, bytes per row], the
+    layout gguf gives every quantized type.
+    """
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        def type_id(field) -> int:
+            return int(field.parts[4][0])  # parts: name length, name, n_dims, dims, type, offset
+
+        super()._build_tensors(start_offs, [f for f in fields if type_id(f) in _GGUF_READS])
+        self.tensors += [self._block_tensor(start_offs, f) for f in fields if type_id(f) not in _GGUF_READS]
+
+    def _block_tensor(self, start_offs: int, field) -> gguf.ReaderTensor:
+        _, name_data, _, dims, raw_type, offset = field.parts
+        name, type_id = str(bytes(name_data), encoding="utf-8"), int(raw_type[0])
+        fmt = _BLOCK_FORMATS.get(type_id)
+        if fmt is None:
+            raise ValueError(
+                f"tensor {name} has GGML type {type_id}, which neither the installed gguf package nor turboserve "
+                "can read; re-convert the model with a supported quantization (e.g. Q8_0, Q4_K, F16)"
+            )
+        shape = tuple(int(d) for d in reversed(dims.tolist()))  # ggml lists the fastest dimension first
+        if shape[-1] % fmt.block:
+            raise ValueError(f"tensor {name}: {fmt.name} rows must be whole blocks of {fmt.block}, got {shape[-1]}")
+        row_bytes = shape[-1] // fmt.block * (2 + fmt.code_bytes)
+        n_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+        data_offs = int(start_offs + offset[0])
+        return gguf.ReaderTensor(
+            name=name, tensor_type=BlockGGMLType(type_id), shape=dims, n_elements=int(np.prod(shape, dtype=np.int64)),
+            n_bytes=n_bytes, data_offset=data_offs,
+            data=self._get(data_offs, np.uint8, n_bytes).reshape(*shape[:-1], row_bytes), field=field,
+        )  # fmt: skip
 
 
 @dataclass
@@ -53,7 +114,7 @@ class RawTensor:
     """A tensor as stored in the GGUF file: rows of ggml blocks, in our (Hugging Face) row order."""
 
     data: np.ndarray  # uint8 [rows, bytes_per_row] for quantized types; the plain array for float types
-    ggml_type: gguf.GGMLQuantizationType
+    ggml_type: gguf.GGMLQuantizationType | BlockGGMLType
     shape: tuple[int, ...]  # logical shape, Hugging Face order ([out_features, in_features] for weights)
 
 
@@ -175,7 +236,12 @@ class GGUFTensors:
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             self.raw[hf_name] = RawTensor(data, t.tensor_type, shape)
 
+        fmt = _BLOCK_FORMATS.get(int(t.tensor_type))
+
         def get(data: np.ndarray = data, qtype: gguf.GGMLQuantizationType = t.tensor_type) -> np.ndarray:
+            if fmt is not None:  # gguf cannot decode these; exact in float32 (fp16 scale times a small integer)
+                d, codes = qblocks.from_gguf_blocks(fmt, torch.from_numpy(np.array(data)), shape[-1])
+                return qblocks.dequantize(fmt, d, codes).numpy().reshape(shape)
             return gguf.quants.dequantize(data, qtype).reshape(shape)
 
         self._getters[hf_name] = get
@@ -186,6 +252,49 @@ class GGUFTensors:
         gate, up, down = (self._getters.pop(f"{p}.{w}_exps") for w in ("gate", "up", "down"))
         self._getters[f"{p}.gate_up_proj"] = lambda: np.concatenate([gate(), up()], axis=1)
         self._getters[f"{p}.down_proj"] = down
+
+    def block_mlps(self) -> dict[str, nn.Module]:
+        """Quantized modules for the MLPs stored in q1_0/q2_0 blocks, by submodule name, built from the raw
+        blocks without re-quantizing (their weights are the file's, bit for bit; GGUF blocks are not rotated,
+        so the modules multiply the activations as they are).
+
+        An MLP qualifies when its gate, up and down are all block types and gate and up share one (they are
+        stored as one [gate; up] matrix); down may use the other type. Anything else is dequantized.
+        """
+        groups: dict[str, dict[str, RawTensor]] = {}
+        for name, raw in self.raw.items():
+            m = _MLP_PROJECTION.fullmatch(name)
+            if m:
+                groups.setdefault(m.group(1), {})[m.group(2)] = raw
+        usable = {}
+        for prefix, parts in groups.items():
+            fmts = {which: _BLOCK_FORMATS.get(int(raw.ggml_type)) for which, raw in parts.items()}
+            if len(parts) == 3 and None not in fmts.values() and fmts["gate"] == fmts["up"]:
+                usable[prefix] = parts
+            elif any(fmts.values()):
+                types = ", ".join(f"{w} {parts[w].ggml_type.name}" for w in sorted(parts))
+                log.info("%s: %s; blocks are used as is only when gate, up and down all are q1_0/q2_0 (gate and up "
+                         "of one type), so this MLP is dequantized", prefix, types)
+        if not usable:
+            return {}
+        # Lazily: a file without such MLPs never needs the expert kernels.
+        from server.kernels.experts.modules import QuantizedExperts, QuantizedMLP
+        from server.kernels.experts.weights import from_gguf
+
+        def weights(fmt: qblocks.BlockFormat, data: np.ndarray, shape: tuple[int, ...]):
+            return from_gguf(fmt.name, torch.from_numpy(np.array(data)), shape[-2], shape[-1])
+
+        modules = {}
+        for prefix, p in usable.items():
+            gate, up, down = p["gate"], p["up"], p["down"]
+            fmt = _BLOCK_FORMATS[int(gate.ggml_type)]
+            rows = gate.shape[-2] + up.shape[-2]
+            gate_up = weights(fmt, np.concatenate([gate.data, up.data], axis=-2), (rows, gate.shape[-1]))
+            down_w = weights(_BLOCK_FORMATS[int(down.ggml_type)], down.data, down.shape)
+            is_experts = prefix.endswith(".experts")
+            modules[prefix] = (QuantizedExperts if is_experts else QuantizedMLP)(gate_up, down_w)
+        log.info("%d MLP(s) use their GGUF q1_0/q2_0 blocks as is (no dequantized copy)", len(modules))
+        return modules
 
     def names(self) -> list[str]:
         return list(self._getters)

@@ -11,13 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import gguf
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from server.runtime.models.config import ModelConfig
-from server.runtime.models.gguf_loader import GGUFTensors, RawTensor, read_gguf_config, read_metadata
+from server.runtime.models.gguf_loader import GGUFReader, GGUFTensors, RawTensor, read_gguf_config, read_metadata
 from server.runtime.models.hf_loader import SafetensorsTensors, read_hf_config
 from server.runtime.models.llama import CausalLM
 from server.runtime.models.moe import build_moe_model
@@ -67,13 +66,23 @@ def _materialize(
     device: torch.device,
     dtype: torch.dtype,
     what: str,
+    prebuilt: dict[str, nn.Module] | None = None,
 ) -> CausalLM:
-    """Build the module on the meta device, then fill it one parameter at a time straight into ``device``."""
+    """Build the module on the meta device, then fill it one parameter at a time straight into ``device``.
+
+    ``prebuilt`` (submodule name -> module, e.g. MLPs quantized in the file) replaces those submodules as
+    they are: their own tensors (packed codes, scales) go to ``device`` untouched by ``dtype``, and the
+    checkpoint tensors they stand for are never read.
+    """
+    prebuilt = prebuilt or {}
     with torch.device("meta"):
         model = build_model(cfg)
+    for name, module in prebuilt.items():
+        _check_prebuilt(name, model.get_submodule(name), module)
+        model.set_submodule(name, module)
     expected = dict(model.named_parameters())
-    state = {}
-    params = model_parameters(cfg, names, get)
+    state = {f"{n}.{k}": t.to(device) for n, m in prebuilt.items() for k, t in m.state_dict().items()}
+    params = model_parameters(cfg, names, get, skip=prebuilt.keys())
     for name, tensor in tqdm(params, total=len(expected), desc=f"loading {what}", unit="tensor", leave=False, mininterval=1.0):
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
@@ -85,6 +94,20 @@ def _materialize(
     model.to(device)  # moves the RoPE frequency buffers, computed on the CPU
     model.requires_grad_(False)
     return model.eval()
+
+
+def _check_prebuilt(name: str, built: nn.Module, prebuilt: nn.Module) -> None:
+    """A quantized MLP must have the [experts, rows, cols] of the module it replaces, else CheckpointError."""
+    params = dict(built.named_parameters())
+    experts = getattr(prebuilt, "experts", prebuilt)  # QuantizedMLP wraps a one-expert QuantizedExperts
+    for role in ("gate_up", "down"):
+        want = params.get(f"{role}_proj", params.get(f"{role}_proj.weight"))
+        got = experts.weights(role).shape
+        if want is None or (1,) * (3 - want.ndim) + tuple(want.shape) != tuple(got):
+            raise CheckpointError(
+                f"{name}: the file's {role} weights are {tuple(got)} (experts, rows, cols) but the config implies "
+                f"{None if want is None else tuple(want.shape)}; the metadata and the tensors disagree"
+            )
 
 
 def _served_name(path: str) -> str:
@@ -101,13 +124,14 @@ def _with_eos(cfg: ModelConfig, tokenizer: Tokenizer, extra: tuple[int, ...] = (
 
 
 def _load_gguf(path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    reader = gguf.GGUFReader(path)
+    reader = GGUFReader(path)
     meta = read_metadata(reader)
     cfg = read_gguf_config(reader, meta)
     tokenizer = tokenizer_from_gguf(meta)
     cfg = _with_eos(cfg, tokenizer)
     tensors = GGUFTensors(reader, cfg)
-    model = _materialize(cfg, tensors.names(), tensors.get, device, dtype, os.path.basename(path))
+    prebuilt = tensors.block_mlps()
+    model = _materialize(cfg, tensors.names(), tensors.get, device, dtype, os.path.basename(path), prebuilt)
     return LoadedModel(model, tokenizer, cfg, _served_name(path), path, tensors.raw)
 
 

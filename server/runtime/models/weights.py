@@ -12,7 +12,7 @@ when the checkpoint already has them fused (transformers 5's in-memory layout).
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import torch
 
@@ -72,7 +72,7 @@ def _dense_mlp(ck: _Checkpoint, prefix: str) -> Iterator[tuple[str, torch.Tensor
     yield f"{prefix}.down_proj.weight", ck(f"{prefix}.down_proj.weight")
 
 
-def _layer(ck: _Checkpoint, i: int, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _layer(ck: _Checkpoint, i: int, cfg: ModelConfig, skip: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
     p = f"layers.{i}"
     a = f"{p}.self_attn"
     yield f"{a}.qkv_proj.weight", ck.cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight")
@@ -88,27 +88,32 @@ def _layer(ck: _Checkpoint, i: int, cfg: ModelConfig) -> Iterator[tuple[str, tor
     yield f"{p}.post_attention_layernorm.weight", ck(f"{p}.post_attention_layernorm.weight")
     m = f"{p}.mlp"
     if not cfg.layer_is_sparse(i):
-        yield from _dense_mlp(ck, m)
+        if m not in skip:
+            yield from _dense_mlp(ck, m)
         return
     yield f"{m}.gate.weight", ck(f"{m}.gate.weight")
-    yield from _experts(ck, f"{m}.experts", cfg)
+    if f"{m}.experts" not in skip:
+        yield from _experts(ck, f"{m}.experts", cfg)
     if cfg.shared_expert_intermediate_size:
-        yield from _dense_mlp(ck, f"{m}.shared_expert")
+        if f"{m}.shared_expert" not in skip:
+            yield from _dense_mlp(ck, f"{m}.shared_expert")
         yield f"{m}.shared_expert_gate.weight", ck(f"{m}.shared_expert_gate.weight")
 
 
 def model_parameters(
-    cfg: ModelConfig, names: list[str], get: Callable[[str], torch.Tensor]
+    cfg: ModelConfig, names: list[str], get: Callable[[str], torch.Tensor], skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (parameter name, tensor) for every parameter of the model, one layer at a time.
 
     ``names`` lists the checkpoint's tensors; ``get(name)`` reads one (lazily, so a big checkpoint never
-    sits in memory twice).
+    sits in memory twice). MLP submodules named in ``skip`` (``layers.N.mlp``, ``layers.N.mlp.experts``,
+    ``layers.N.mlp.shared_expert``) are built elsewhere, e.g. quantized from a GGUF's blocks: their
+    tensors are never read.
     """
     ck = _Checkpoint(names, get)
     yield "embed_tokens.weight", ck("embed_tokens.weight")
     for i in range(cfg.num_layers):
-        yield from _layer(ck, i, cfg)
+        yield from _layer(ck, i, cfg, skip)
     yield "norm.weight", ck("norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", ck("lm_head.weight")
