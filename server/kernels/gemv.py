@@ -3,9 +3,11 @@
 At decode the projections are weight streaming: every weight is read once per step and used by
 at most 16 rows, so the kernel's only job is to read W at copy bandwidth. Each program owns a
 slab of BLOCK_N output rows and walks K with [BLOCK_N, BLOCK_K] tiles of W (BLOCK_K contiguous,
-16-byte loads), accumulating in float32. BLOCK_N is chosen so the grid has several programs per SM
-even for narrow N (qkv 6144, o/down 4096 rows): many resident programs keep enough loads in flight,
-and no split-K pass (a second launch per projection) is needed.
+16-byte cp.async loads, software-pipelined), accumulating in float32. BLOCK_N is chosen so the grid
+has several programs per SM even for narrow N (qkv 6144, o/down 4096 rows): resident programs times
+pipeline stages keep enough bytes in flight, and no split-K pass (a second launch per projection)
+is needed. The sizes were reasoned from an offline sm_90 compile (registers, shared memory, PTX),
+not tuned on the GPU: bench/dense_gpu_check.py times them next to F.linear.
 
 Two bodies share the loop: one row (M == 1) multiplies on the CUDA cores and reduces once at the
 end; 2..16 rows pad to 16 and use the tensor cores with W as the wide operand (acc [BLOCK_N, 16]).
