@@ -182,3 +182,21 @@ def test_engine_serves_a_block_expert_gguf(tmp_path):
     reference = load_model(paths["decoded"], torch.device("cpu"), torch.float64)
     want, _ = greedy(PagedBatch(reference.model, kv_dtype=torch.float64), {"b": PROMPTS["b"]}, 5)
     assert result.finish_reason == "length" and result.token_ids == want["b"]
+
+
+@pytest.mark.parametrize("type_id,match", [(43, "has GGML type 43, which neither"),
+                                           (42, "q2_0 rows must be whole blocks of 64, got 96")])
+def test_unreadable_block_tensors_are_refused_clearly(tmp_path, type_id, match):
+    hf_model = make_checkpoint("qwen3", str(tmp_path / "hf"), seed=1)  # intermediate 96: not whole q2_0 blocks
+
+    def add(writer, name, a):
+        if ".ffn_down." not in name:
+            writer.add_tensor(name, a)
+            return
+        raw = np.zeros((*a.shape[:-1], 2 * 18), dtype=np.int8)  # what 96 weights would need as q2_0, rounded up
+        writer.add_tensor(name, raw, raw_shape=a.shape, raw_dtype=type_id)
+
+    path = str(tmp_path / "bad.gguf")
+    write_gguf(hf_model, "qwen3", path, add)
+    with pytest.raises(ValueError, match=match):
+        load_model(path, torch.device("cpu"), torch.float32)
