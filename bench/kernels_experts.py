@@ -9,11 +9,17 @@ Routing puts each case's tokens on experts [g·m, (g+1)·m) for input set g, so 
 `bmm` a contiguous slice of the expert stack (no gather copy) and consecutive timed calls read
 different experts (nothing left in L2). "ours" is the full op (routing, rotations, two fused
 kernels, top-k sum); the "kernels only" rows time the two fused launches alone, whose packed
-weight bytes are the bandwidth numerator.
+weight bytes are the bandwidth numerator; at decode sizes that use the one-pair-per-program
+GEMV body (moe.use_gemv) a "GEMM body" row times the tl.dot body on the same inputs.
+
+EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a minute plus
+compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
+q2_0 and q1_0, no tile sweep, no prefill.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
@@ -26,6 +32,7 @@ from server.kernels.experts.routing import align_pairs
 from server.kernels.experts.weights import ExpertWeights, random_signs, rotation_group
 
 FORMATS = ("e8p", "e8p3", "q2_0", "q1_0")
+QUICK = os.environ.get("EXPERTS_BENCH_QUICK") == "1"
 DEEP = dict(d=6144, i=2048, experts=64, top_k=8)
 MIXTRAL = dict(d=4096, i=14336, experts=8, top_k=2)
 
@@ -88,24 +95,31 @@ def bf16_bmm_moe(x, ids, w, gate_up: torch.Tensor, down: torch.Tensor, first: in
     return y.to(x.dtype)
 
 
+# (D, I, experts, top_k, tokens): 3 tokens x 8 over 32 experts take the GEMV body (moe.use_gemv), 300 tokens the
+# GEMM body; at the first shape the GEMM body (decode launch shape) is checked too.
+CORRECTNESS_SHAPES = ((6144, 2048, 32, 8, 3), (4096, 1408, 8, 2, 300))
+
+
 def check_correctness(device) -> list[str]:
     """Fast vs reference on bf16 inputs at real widths (decode and prefill shapes); raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(0)
     lines = []
     for fmt in ("bf16", *FORMATS):
-        for d, i, e, top_k, tokens in ((6144, 2048, 16, 8, 3), (4096, 1408, 8, 2, 300)):
+        for d, i, e, top_k, tokens in CORRECTNESS_SHAPES:
             gu = random_weights(fmt, e, 2 * i, d, device, gen)
             dn = random_weights(fmt, e, d, i, device, gen)
             x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
             ids = torch.rand((tokens, e), generator=gen, device=device).topk(top_k, 1).indices
             ids[0, 1] = ids[0, 0]  # one token routed twice to one expert
             w = torch.rand((tokens, top_k), generator=gen, device=device)
-            fast = moe.fused_moe_triton(x, w, ids, gu, dn).float()
             ref = fused_moe_reference(x.float(), w, ids, gu, dn)
-            err = ((fast - ref).norm() / ref.norm()).item()
-            lines.append(f"{fmt} D={d} I={i} T={tokens}: rel err {err:.2e}")
-            if not err < 2e-2:  # bf16 activations and bf16 h between the kernels
-                raise AssertionError(f"fast experts kernel disagrees with the reference: {lines[-1]}")
+            gemv_used = moe.use_gemv(fmt, ids.numel(), e)
+            for gemv in (True, False) if gemv_used else (False,):
+                fast = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=gemv).float()
+                err = ((fast - ref).norm() / ref.norm()).item()
+                lines.append(f"{fmt} D={d} I={i} T={tokens} {'GEMV' if gemv else 'GEMM'} body: rel err {err:.2e}")
+                if not err < 2e-2:  # bf16 activations and bf16 h between the kernels
+                    raise AssertionError(f"fast experts kernel disagrees with the reference: {lines[-1]}")
     return lines
 
 
@@ -129,27 +143,41 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> lis
             ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn), n_inputs=n_sets, device=device)
             base = time_ms(lambda j: bf16_bmm_moe(sets[j][0], sets[j][2], sets[j][1], base_gu, base_dn, sets[j][3], m),
                            n_inputs=n_sets, device=device)
-            kernels = [_prepared_kernels(s, gu, dn) for s in sets[:n_sets]]
+            gemv = moe.use_gemv(fmt, tokens * shape["top_k"], e)
+            kernels = [_prepared_kernels(s, gu, dn, gemv) for s in sets[:n_sets]]
             k_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
             nbytes = gu.packed_bytes(used) + dn.packed_bytes(used)
             case = f"{label} {fmt} decode T={tokens} ({used} experts)"
+            body = "GEMV body" if gemv else "GEMM body"
             rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + kernels)"))
-            rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm", "two fused launches"))
+            rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm", f"two fused launches, {body}"))
+            if gemv:  # the tl.dot body on the same inputs, for comparison
+                kernels = [_prepared_kernels(s, gu, dn, False) for s in sets[:n_sets]]
+                g_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                rows.append(Row(case + " kernels only, GEMM body", g_ms, base, nbytes, "bf16 bmm", "two fused launches"))
     return rows
 
 
-def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights):
+def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, gemv: bool):
+    """The two fused launches of moe.fused_moe_triton on prepared inputs (``gemv`` picks the body)."""
     x, w, ids, _ = s
     top_k = ids.shape[1]
-    blocks = align_pairs(ids, gu.shape[0], moe.choose_block_m(ids.numel(), gu.shape[0]))
     xr = gu.rotate_input(x).contiguous()
     h = torch.empty((ids.numel(), gu.shape[1] // 2), dtype=x.dtype, device=x.device)
     y = torch.empty((ids.numel(), gu.shape[2]), dtype=torch.float32, device=x.device)
     routing = w.reshape(-1).float().contiguous()
+    if gemv:
+        expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
 
-    def run():
-        moe.launch_expert_gemm(xr, h, blocks, gu, dual=True, a_row_div=top_k)
-        moe.launch_expert_gemm(h, y, blocks, dn, routing=routing)
+        def run():
+            moe.launch_expert_gemv(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
+            moe.launch_expert_gemv(h, y, expert_ids, dn, routing=routing)
+    else:
+        blocks = align_pairs(ids, gu.shape[0], moe.choose_block_m(ids.numel(), gu.shape[0]))
+
+        def run():
+            moe.launch_expert_gemm(xr, h, blocks, gu, dual=True, a_row_div=top_k)
+            moe.launch_expert_gemm(h, y, blocks, dn, routing=routing)
 
     return run
 
@@ -195,7 +223,7 @@ def sweep_decode_tiles(device) -> None:
             nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
             for tile in SWEEP:
                 moe.tile_override = tile
-                kernels = [_prepared_kernels(s, gu, dn) for s in sets[:n_sets]]
+                kernels = [_prepared_kernels(s, gu, dn, False) for s in sets[:n_sets]]
                 ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                 print(f"sweep {label} {fmt} T=1 tile {tile}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
             moe.tile_override = None
@@ -204,16 +232,21 @@ def sweep_decode_tiles(device) -> None:
 def run(device: torch.device, copy_gbs: float):
     for line in check_correctness(device):
         print("correctness:", line, flush=True)
-    try:
-        sweep_decode_tiles(device)
-    except Exception:  # noqa: BLE001 - informative only
-        traceback.print_exc()
-    rows = []
-    for section in (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 4, 8, 32), copy_gbs, device),
+    if QUICK:
+        sections = (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 8), copy_gbs, device),
+                    lambda: _decode_rows(MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,), copy_gbs, device))
+    else:
+        try:
+            sweep_decode_tiles(device)
+        except Exception:  # noqa: BLE001 - informative only
+            traceback.print_exc()
+        sections = (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 4, 8, 32), copy_gbs, device),
                     lambda: _decode_rows(MIXTRAL, "mixtral D4096 I14336 E8 top2", (1, 4, 8, 32), copy_gbs, device),
-                    lambda: _prefill_rows(copy_gbs, device)):
+                    lambda: _prefill_rows(copy_gbs, device))
+    rows = []
+    for section in sections:
         try:  # keep what was measured when one section fails
             rows += section()
         except Exception:  # noqa: BLE001 - reported, and the table says which rows exist
             traceback.print_exc()
-    return "Quantized MoE experts (fused Triton) vs bf16 bmm", rows
+    return "Quantized MoE experts (fused Triton) vs bf16 bmm" + (" (quick list)" if QUICK else ""), rows

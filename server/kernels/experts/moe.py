@@ -17,6 +17,7 @@ from server.kernels.backend import use_triton
 from server.kernels.experts import e8p
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
+from server.kernels.experts.moe_gemv import _expert_gemv, field_mask
 from server.kernels.experts.routing import ExpertBlocks, align_pairs
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.timing import timed
@@ -57,21 +58,40 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
     return DECODE_BLOCK_M if num_pairs <= DECODE_BLOCK_M * num_experts else PREFILL_BLOCK_M
 
 
+def use_gemv(fmt: str, num_pairs: int, num_experts: int) -> bool:
+    """One program per pair (moe_gemv.py) while experts see about one token each; tl.dot blocks beyond.
+
+    A pair-per-program body streams an expert's weights once per pair, so it wins while pairs
+    rarely share an expert (num_pairs <= num_experts: decode); bf16 weights keep the GEMM body.
+    """
+    return fmt in _GEMV_FORMATS and num_pairs <= num_experts
+
+
+_GEMV_FORMATS = ("e8p", "e8p3", "q1_0", "q2_0")
+
+
 def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights,
-                     block_m: int | None = None) -> torch.Tensor:
+                     block_m: int | None = None, gemv: bool | None = None) -> torch.Tensor:
+    """``block_m`` forces the GEMM body with that block; ``gemv`` forces (True) or refuses (False) the GEMV body."""
     num_tokens, top_k = topk_ids.shape
     num_e, two_i, d = gate_up.shape
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    blocks = align_pairs(topk_ids, num_e, block_m or choose_block_m(num_pairs, num_e))
+    if gemv is None:
+        gemv = block_m is None and use_gemv(gate_up.format, num_pairs, num_e)
     xr = gate_up.rotate_input(x).contiguous()
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
-    launch_expert_gemm(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
-    hr = down.rotate_input(h).contiguous()
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     routing = topk_weights.reshape(-1).float().contiguous()
-    launch_expert_gemm(hr, y_pairs, blocks, down, routing=routing)
+    if gemv:
+        expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        launch_expert_gemv(xr, h, expert_ids, gate_up, dual=True, a_row_div=top_k)
+        launch_expert_gemv(down.rotate_input(h).contiguous(), y_pairs, expert_ids, down, routing=routing)
+    else:
+        blocks = align_pairs(topk_ids, num_e, block_m or choose_block_m(num_pairs, num_e))
+        launch_expert_gemm(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
+        launch_expert_gemm(down.rotate_input(h).contiguous(), y_pairs, blocks, down, routing=routing)
     # The top-k slots of a token are summed here, in slot order: no atomics, same bits every run.
     return y_pairs.view(num_tokens, top_k, d).sum(1).to(x.dtype)
 
@@ -103,6 +123,38 @@ def launch_expert_gemm(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
             MAGIC=_MAGIC[a.dtype], IEEE=a.dtype == torch.float32,
             num_warps=warps, num_stages=stages,
         )
+
+
+def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
+                       dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """As launch_expert_gemm, one program per (pair, row block); expert_ids [pairs] int32 (topk_ids flattened)."""
+    num_e, rows, k = w.shape
+    n = rows // 2 if dual else rows
+    fmt = w.format
+    t = w.tensors
+    aux = t.get("residual", t.get("d", t["codes"]))
+    scale = t.get("scale", t["codes"])
+    # float32 activations: the kernel multiplies them as loaded (no per-weight bf16 unpacking),
+    # and the sums that remove its offsets come from the very same values.
+    a32 = a.float().contiguous()
+    a_sum = _activation_sums(a32, fmt)
+    block_k = max(K_UNIT[fmt], 32, min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
+    table, rtable = _tables(a.device)
+    grid = (expert_ids.numel(), triton.cdiv(n, GEMV_BLOCK_N))
+    with timed(f"experts_{fmt}_{'gate_up' if dual else 'down'}_gemv", a.device):
+        _expert_gemv[grid](
+            a32, a_sum, out, expert_ids, routing if routing is not None else out,
+            t["codes"], aux, scale, table, rtable,
+            n, k, field_mask(fmt), a32.stride(0), a_sum.stride(0), out.stride(0),
+            t["codes"].stride(0), t["codes"].stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
+            scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
+            FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
+            BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=3,
+        )
+
+
+GEMV_BLOCK_N = 16  # output rows per program: one-token decode still launches pairs x N/16 programs
+GEMV_BLOCK_K = 256  # inputs per K step: 32 E8 codes, 4 q2_0 or 2 q1_0 blocks per row
 
 
 # Operand offset per activation dtype: MAGIC + n is exact with n in the low mantissa bits (moe_triton._dot).

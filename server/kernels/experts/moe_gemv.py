@@ -1,0 +1,164 @@
+"""One-token-per-program decode body of the quantized MoE MLP (CUDA cores, no tensor cores).
+
+When experts see about one token each (decode), `_expert_gemm`'s tl.dot pads every expert's
+pairs to 16 rows and sends each dequantized tile through shared memory into the MMA layout;
+at one token that round trip costs more than the multiply. `_expert_gemv` instead runs one
+program per (pair, block of output rows): it reads pair p's expert id straight from topk_ids
+(no padded blocks), decodes each code word with the same word-wide helpers as moe_triton.py,
+and multiplies on CUDA cores with the fields kept where they were decoded.
+
+Exactness and cost per weight: a B-bit field c (an E8 nibble or residual nibble, B = 4; a q
+code, B = 1 or 2) becomes the float32 1 + c/2^B with one shift and one LOP3 (its bits placed
+at the top of the mantissa under the exponent of 1.0, no int-to-float conversion), and one
+FFMA accumulates a·(1 + c/2^B), rounding once like any float32 dot product. The offsets are
+removed once per row (E8: Σa over K) or once per q block (Σa over the block) with the
+precomputed activation sums:  Σ a·c = 2^B·(Σ a·(1 + c/2^B) - Σ a).
+The offset is 1, not a large MAGIC (moe_triton._dot), so the float32 error stays within a
+small factor (at most 8) of a plain dot product's; every lane keeps one accumulator per
+field it owns.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from server.kernels.experts.e8p import RESIDUAL_SCALE
+from server.kernels.experts.moe_triton import (
+    E8P3, Q1_0, Q2_0, _e8p_nibbles, _fields4, _fields8, _residual_nibbles,
+)
+
+ONE_F32 = tl.constexpr(0x3F800000)  # bit pattern of 1.0f
+
+
+def field_bits(fmt: str) -> int:
+    """Bits of the fields the GEMV body turns into floats: q codes as stored, E8 nibbles (moe_triton.py)."""
+    return {"q1_0": 1, "q2_0": 2}.get(fmt, 4)
+
+
+def field_mask(fmt: str) -> int:
+    """The kernel argument ``field_mask``: the top field_bits(fmt) bits of a float32 mantissa."""
+    return ((1 << field_bits(fmt)) - 1) << (23 - field_bits(fmt))
+
+RESIDUAL_OF_SUMS = tl.constexpr(1.0 / RESIDUAL_SCALE)
+
+
+@triton.jit
+def _one_plus_field(c, field_mask, BITS: tl.constexpr):
+    """int32 BITS-bit fields c (other bits of the word above them) -> float32 1 + c / 2**BITS, exactly.
+
+    No int-to-float conversion: c goes right under the exponent of 1.0. ``field_mask`` (from
+    `field_mask()`) arrives at run time so that ptxas merges the AND and the OR into one LOP3
+    (an instruction holds one immediate; two constant operands cost a second LOP3 per weight).
+    """
+    return (((c << (23 - BITS)) & field_mask) | ONE_F32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
+              FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Per-lane partial sums of a·(1 + c/2^B) for one K step of W[rows] -> [BLOCK_N, BLOCK_K] (and residual's).
+
+    q formats reduce per block in the caller, since d changes per block.
+    """
+    if FORMAT == Q1_0 or FORMAT == Q2_0:
+        BITS: tl.constexpr = 1 if FORMAT == Q1_0 else 2
+        offs_b = k0 * BITS // 8 + tl.arange(0, BLOCK_K * BITS // 8)
+        ptrs = w_e + rows[:, None] * stride_wn + offs_b[None, :]
+        if EVEN_K:
+            b = tl.load(ptrs).to(tl.int32)
+        else:
+            b = tl.load(ptrs, mask=(offs_b < K * BITS // 8)[None, :], other=0).to(tl.int32)
+        codes = _fields8(b, 1) if BITS == 1 else _fields4(b)
+        s = _one_plus_field(codes, field_mask, BITS) * a[None, :]
+        return s, s  # (no residual; both branches return the same types for the compiler)
+    g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    gmask = (g < K // 8)[None, :]
+    n = _e8p_nibbles(w_e + rows[:, None] * stride_wn + g[None, :], gmask, table_ptr, rows.shape[0], BLOCK_K, EVEN_K)
+    main = _one_plus_field(n, field_mask, 4) * a[None, :]
+    if FORMAT == E8P3:
+        r = _residual_nibbles(aux_e + rows[:, None] * stride_xn + g[None, :], gmask, rtable_ptr, rows.shape[0],
+                              BLOCK_K, EVEN_K)
+        return main, _one_plus_field(r, field_mask, 4) * a[None, :]
+    return main, main  # (no residual)
+
+
+@triton.jit
+def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
+               stride_wn, stride_xn, stride_sn,
+               FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_N] float32 a · W[rows]ᵀ for one activation row (weights: one expert's, pointers at it)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if FORMAT == Q1_0 or FORMAT == Q2_0:
+        # level = 2c - 1 (q1_0, c < 2) or c - 1 (q2_0, c < 4): in both Σ a·level = 4·Σ a(1 + c/2**BITS) - 5·Σa, times d.
+        QB: tl.constexpr = 128 if FORMAT == Q1_0 else 64  # weights per block (one d)
+        NB: tl.constexpr = BLOCK_K // QB
+        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            blk = k0 // QB + tl.arange(0, NB)
+            if EVEN_K:
+                a = tl.load(a_row_ptr + k0 + offs_k).to(tl.float32)
+                a_blk = tl.load(a_sum_row_ptr + blk)
+                d = tl.load(aux_e + rows[:, None] * stride_xn + blk[None, :]).to(tl.float32)
+            else:  # masked blocks: a, Σa and d are 0, so they add nothing
+                a = tl.load(a_row_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+                a_blk = tl.load(a_sum_row_ptr + blk, mask=blk < K // QB, other=0.0)
+                d = tl.load(aux_e + rows[:, None] * stride_xn + blk[None, :], mask=(blk < K // QB)[None, :],
+                            other=0.0).to(tl.float32)
+            s, _ = _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
+                             FORMAT, BLOCK_K, EVEN_K)
+            s_blk = tl.sum(tl.reshape(s, (BLOCK_N, NB, QB)), 2)
+            acc += (4 * s_blk - 5 * a_blk[None, :]) * d
+        return tl.sum(acc, 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_row_ptr + k0 + offs_k).to(tl.float32)
+        else:
+            a = tl.load(a_row_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+        s, s_r = _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
+                           FORMAT, BLOCK_K, EVEN_K)
+        acc += s
+        if FORMAT == E8P3:
+            acc_r += s_r
+    # E8 nibble n = (4w + 15)/2: Σ a·w = (2·Σ a·n - 15·Σa)/4 = 8·Σ a(1 + n/16) - (47/4)·Σa.
+    a_total = tl.load(a_sum_row_ptr)
+    val = 8 * tl.sum(acc, 1) - 11.75 * a_total
+    if FORMAT == E8P3:
+        # residual nibble m = 2r + 4: Σ a·r = (Σ a·m - 4·Σa)/2 = 8·Σ a(1 + m/16) - 10·Σa; stored points are r / 2.04.
+        val += RESIDUAL_OF_SUMS * (8 * tl.sum(acc_r, 1) - 10 * a_total)
+    return val * tl.load(scale_e + rows * stride_sn).to(tl.float32)
+
+
+@triton.jit
+def _expert_gemv(a_ptr, a_sum_ptr, out_ptr, expert_ids_ptr, routing_ptr,
+                 w_ptr, aux_ptr, scale_ptr, table_ptr, rtable_ptr,
+                 N, K, field_mask, stride_am, stride_sm, stride_om,
+                 stride_we, stride_wn, stride_xe, stride_xn, stride_se, stride_sn,
+                 FORMAT: tl.constexpr, DUAL: tl.constexpr, ROUTED: tl.constexpr, A_ROW_DIV: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[p, rows] for pair p = program_id(0) (expert expert_ids[p], activation row p // A_ROW_DIV).
+
+    Same epilogues as `_expert_gemm`: DUAL reads gate rows n and up rows N + n and writes
+    silu(gate)·up; ROUTED multiplies by routing[p]. a_sum holds Σa per row (E8) or per q block.
+    """
+    pair = tl.program_id(0)
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(out_rows, N - 1)  # surplus rows read real data and are dropped at the store
+    w_e = w_ptr + expert * stride_we
+    aux_e = aux_ptr + expert * stride_xe
+    scale_e = scale_ptr + expert * stride_se
+    a_row_ptr = a_ptr + a_row * stride_am
+    a_sum_row_ptr = a_sum_ptr + a_row * stride_sm
+    val = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
+                     stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K)
+    if DUAL:
+        up = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows + N, K,
+                        stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K)
+        val = val * tl.sigmoid(val) * up
+    if ROUTED:
+        val = val * tl.load(routing_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + out_rows, val.to(out_ptr.dtype.element_ty), mask=out_rows < N)
