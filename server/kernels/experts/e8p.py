@@ -67,6 +67,30 @@ def abs_table_packed() -> torch.Tensor:
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
+@functools.cache
+def sign_table_packed() -> torch.Tensor:
+    """[256, 2] int32 kernel table per sign byte s: (negative-nibble mask, nibble base).
+
+    With p = popcount(s) & 1 and f = s ^ p (spec decode rule), word 0 has nibble k = 0xF where
+    bit k of f is set, word 1 holds 8 - p in every nibble (moe_triton._e8p_nibbles). One lookup
+    replaces the per-code parity and bit spreading (about 15 integer instructions per code).
+    """
+    s = torch.arange(256)
+    p = _popcount8(s) & 1
+    f = s ^ p
+    bits = (f[:, None] >> torch.arange(8)) & 1
+    negative = (bits * 15 << (4 * torch.arange(8))).sum(1)
+    base = (8 - p) * 0x11111111
+    words = torch.stack([negative, base], 1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@functools.cache
+def kernel_table() -> torch.Tensor:
+    """[768] int32: abs_table_packed() then sign_table_packed() flattened (the kernels' `table_ptr`)."""
+    return torch.cat([abs_table_packed(), sign_table_packed().reshape(-1)])
+
+
 def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [...] int (low 16 bits used) -> points [..., 8] (spec decode rule, literally)."""
     dev = codes.device

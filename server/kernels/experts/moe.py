@@ -31,7 +31,7 @@ tile_override: tuple[int, int, int, int] | None = None  # (BLOCK_N, BLOCK_K, war
 
 @functools.cache
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return e8p.abs_table_packed().to(device), e8p.residual_table_packed().to(device)
+    return e8p.kernel_table().to(device), e8p.residual_table_packed().to(device)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ codes) turned into exact bf16/fp16 operands by an OR and a bitcast (`_dot`); the
 back to weights (4·w = 2n - 15, r, q levels), the 1/4, 1/2.04, d and the row scale are applied
 to the float32 accumulators with precomputed activation sums. So the only rounding besides
 the activations' own dtype is float32 accumulation, and a weight costs a shift and a mask.
-Codebook tables are 1 KiB int32 words (one per code) read through L1, never constant memory.
+Codebook tables are 3 KiB of int32 words (e8p.kernel_table) read through L1, never constant memory.
 """
 
 from __future__ import annotations
@@ -87,36 +87,24 @@ def _fields4(x):
 
 
 @triton.jit
-def _spread_bits_to_nibbles(f):
-    """Bit k of an 8-bit value -> bit 4k (Morton spreading in three shift-or-mask steps)."""
-    x = (f | (f << 12)) & 0x000F000F
-    x = (x | (x << 6)) & 0x03030303
-    return (x | (x << 3)) & 0x11111111
-
-
-@triton.jit
 def _e8p_nibbles(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K / 8] codes -> [BLOCK_N, BLOCK_K] int32 tile of n = (4·w + 15) / 2 in [0, 15].
 
     Per code (spec decode rule, on whole 32-bit words): 4·w_k = ±(4|x_k|) + (p ? -1 : +1), so
-    n_k = 7 + q ± 2|x_k| with q = 1 - p; the table holds 2|x_k| per nibble, the sign byte is
-    spread to a nibble mask, and nibbles never carry (7 + q ± 2|x_k| stays in [0, 15]).
-    Per weight only a shift and a mask remain.
+    n_k = 7 + q ± 2|x_k| with q = 1 - p. ``table_ptr`` is e8p.kernel_table(): the abs word of
+    row c >> 8 holds 2|x_k| per nibble (bit 31: odd row), and the sign byte s = c & 0xFF indexes
+    (negative-nibble mask of s ^ p, 7 + q per nibble); an odd row flips nibble 7 of the mask.
+    Nibbles never carry (7 + q ± 2|x_k| stays in [0, 15]); per weight a shift and a mask remain.
     """
     if EVEN_K:
         c = tl.load(codes_ptrs).to(tl.int32) & 0xFFFF
     else:
         c = tl.load(codes_ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    s = c & 0xFF
-    p = s ^ (s >> 4)
-    p = p ^ (p >> 2)
-    p = (p ^ (p >> 1)) & 1  # popcount(s) & 1: the shift is -1/4 when set
     word = tl.load(table_ptr + (c >> 8))
+    sign_ptrs = table_ptr + 256 + 2 * (c & 0xFF)
+    negative = tl.load(sign_ptrs) ^ ((word >> 31) & -0x10000000)  # arithmetic shift: odd rows -> 0xF0000000
     twice_abs = word & 0x77777777
-    f = s ^ p ^ ((word >> 24) & 0x80)  # odd rows negate their last coordinate
-    negative = _spread_bits_to_nibbles(f) * 15
-    base = -0x77777778 - p * 0x11111111  # 7 + q = 8 - p in every nibble: 0x88888888 as an int32
-    return _fields8(base + twice_abs - ((twice_abs & negative) << 1), 4)
+    return _fields8(tl.load(sign_ptrs + 1) + twice_abs - ((twice_abs & negative) << 1), 4)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ def test_triton_decode_of_every_e8p_and_residual_code_matches_reference():
     res = (torch.arange(1 << 16) % 256).to(torch.uint8).reshape(256, 256)
     out = torch.empty((256, 256 * 8), dtype=torch.int32)
     rout = torch.empty_like(out)
-    _decode_tile_kernel[(16,)](codes, res, e8p.abs_table_packed(), e8p.residual_table_packed(), out, rout,
+    _decode_tile_kernel[(16,)](codes, res, e8p.kernel_table(), e8p.residual_table_packed(), out, rout,
                                BLOCK_N=16, BLOCK_K=2048)
     assert torch.equal(out.reshape(-1, 8).float() / 4, e8p.decode(torch.arange(1 << 16)))
     want_r = e8p.residual_table()[torch.arange(1 << 16) % 256]
