@@ -12,8 +12,9 @@ a set bit meaning -1. A sign is applied by flipping the float's sign bit, which 
 bit-identical to multiplying by -1 for every finite value (spec, "Rotation").
 
 The rotation is linear and orthogonal, so it does not normalize: callers that want the
-unit-vector form divide by the norm themselves. The reference and the Triton body do the
-same float32 operations in the same order, so they agree bit for bit.
+unit-vector form divide by the norm themselves. The Triton body rounds every value exactly
+where the reference does (same float32 sums in the same stage order, written in forms whose
+results are identical: see fwht_rows and rotate_rows), so the two agree bit for bit.
 
 Shared by the TurboQuant KV cache and the expert-weight formats.
 """
@@ -109,39 +110,56 @@ def inv_sqrt_group(group: int) -> float:
 
 
 @triton.jit
-def apply_sign_bits(x, words_ptr, GROUP: tl.constexpr):
-    """Flip the sign of x[..., e] (last dim GROUP, float32) where bit e of the packed words is set."""
-    e = tl.arange(0, GROUP)
-    word = tl.load(words_ptr + (e >> 5))
-    bit = (word >> (e & 31)) & 1
-    flipped = x.to(tl.int32, bitcast=True) ^ (bit << 31)
-    return flipped.to(tl.float32, bitcast=True)
+def sign_masks(words_ptr, GROUP: tl.constexpr):
+    """[1, GROUP] int32 with only bit 31 set where bit e of the packed words is set (1 means -1).
+
+    The words (one per 32 elements) are read as scalars and picked per element: a vector load
+    indexed by e >> 5 is a separate layout anchor that Triton converts to x's layout through
+    shared memory, with barriers (seen in the sm_90 SASS for G = 128).
+    """
+    e = tl.arange(0, GROUP)[None, :]
+    word = tl.zeros((1, GROUP), tl.int32)
+    for w in tl.static_range((GROUP + 31) // 32):
+        word = tl.where((e >> 5) == w, tl.load(words_ptr + w), word)
+    return ((word >> (e & 31)) & 1) << 31
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
 
 
 @triton.jit
 def fwht_rows(x, ROWS: tl.constexpr, GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr):
     """Unnormalized Hadamard transform of each row of a [ROWS, GROUP] float32 tile, in registers.
 
-    Stage h views a row as [GROUP / 2h, 2, h]: the pair (j, j+h) sits on the size-2 axis, so
-    a+b is the sum over that axis and a-b the sum with the second element negated.
+    Stage h views a row as [GROUP / 2h, 2, h], the pair (j, j+h) on the size-2 axis. Each
+    element fetches its partner (the XOR of the pair with itself removed: one shuffle when the
+    pair spans two threads, nothing when one thread holds both) and computes partner + x·(±1):
+    the lower element b + a, the upper a + (-b), the reference's a+b and a-b bit for bit, since
+    the product by ±1 is exact and the fused multiply-add rounds once, like the add.
     """
     for s in tl.static_range(LOG2_GROUP):
         x4 = tl.reshape(x, (ROWS, GROUP >> (s + 1), 2, 1 << s))
-        upper = tl.arange(0, 2)[None, None, :, None]
-        total = tl.sum(x4, axis=2)
-        diff = tl.sum(tl.where(upper == 1, -x4, x4), axis=2)
-        x4 = tl.where(upper == 0, total[:, :, None, :], diff[:, :, None, :])
-        x = tl.reshape(x4, (ROWS, GROUP))
+        bits = x4.to(tl.int32, bitcast=True)
+        partner = (bits ^ tl.reduce(bits, 2, _xor, keep_dims=True)).to(tl.float32, bitcast=True)
+        sign = 1.0 - 2.0 * tl.arange(0, 2)[None, None, :, None].to(tl.float32)
+        x = tl.reshape(partner + x4 * sign, (ROWS, GROUP))
     return x
 
 
 @triton.jit
 def rotate_rows(x, first_ptr, second_ptr, inv_sqrt, ROWS: tl.constexpr, GROUP: tl.constexpr,
                 LOG2_GROUP: tl.constexpr):
-    """Rotate each row of a [ROWS, GROUP] float32 tile: second · H · first · x / sqrt(G)."""
-    x = apply_sign_bits(x, first_ptr, GROUP)
-    x = fwht_rows(x, ROWS, GROUP, LOG2_GROUP) * inv_sqrt
-    return apply_sign_bits(x, second_ptr, GROUP)
+    """Rotate each row of a [ROWS, GROUP] float32 tile: second · H · first · x / sqrt(G).
+
+    The second sign table is folded into the scale: y · (-s) rounds to exactly -(y · s) (round
+    to nearest is symmetric), so one multiply by a per-column ±1/sqrt(G) equals the reference's
+    multiply then sign-bit flip.
+    """
+    x = (x.to(tl.int32, bitcast=True) ^ sign_masks(first_ptr, GROUP)).to(tl.float32, bitcast=True)
+    scale = tl.where(sign_masks(second_ptr, GROUP) != 0, -inv_sqrt, inv_sqrt)
+    return fwht_rows(x, ROWS, GROUP, LOG2_GROUP) * scale
 
 
 @triton.jit

@@ -64,6 +64,40 @@ def test_triton_is_bit_identical_to_reference(group, signs, inverse):
     assert torch.equal(got, expect), (got - expect).abs().max()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of float32 tensors (torch.equal calls -0.0 and +0.0 equal)."""
+    return torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("group,signs", [(64, (SIGNS1, SIGNS2)), (128, (SIGNS1, SIGNS2)), (256, WIDE)])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_bits_odd_rows_partial_tiles(group, signs, inverse, dtype):
+    # 5 x 3 x 3 = 45 groups at 16 rows per program: the third program's tile is partly masked.
+    x = (torch.randn(5, 3, 3 * group) * 10.0 ** torch.randint(-2, 3, (5, 3, 1))).to(dtype)
+    expect = rotate_reference(x, group, inverse, signs)
+    got = rotate_triton(x, group, inverse, signs, out_dtype=torch.float32, elements_per_program=16 * group)
+    assert same_bits(got, expect), (got - expect).abs().max()
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_triton_bits_on_signed_zeros_and_subnormals(group):
+    # The butterfly's a - b is computed as a + b·(-1) and the second sign table rides on the scale:
+    # signed zeros (0 - 0 = +0, -0 - 0 = -0) and subnormals must come out with the reference's bits.
+    g = torch.Generator().manual_seed(7)
+    sign = torch.where(torch.rand(6, group, generator=g) < 0.5, -1.0, 1.0)
+    zeros = sign * 0.0
+    subnormal = sign * torch.randint(1, 1 << 20, (6, group), generator=g).float() * 2.0**-149
+    mixed = torch.where(torch.rand(6, group, generator=g) < 0.7, zeros, torch.randn(6, group, generator=g) * 1e30)
+    x = torch.cat([zeros, subnormal, mixed])
+    assert (zeros.view(torch.int32) < 0).any() and (subnormal.abs() < 2.0**-126).all()
+    for inverse in (False, True):
+        expect = rotate_reference(x, group, inverse)
+        got = rotate_triton(x, group, inverse)
+        assert same_bits(got, expect), (got.view(torch.int32) != expect.view(torch.int32)).sum()
+        assert (expect.view(torch.int32) == torch.tensor(-(2**31), dtype=torch.int32)).any()  # a -0.0 was produced
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_round_trip_any_leading_shape(dtype):
     x = torch.randn(2, 3, 1, 256).to(dtype)
