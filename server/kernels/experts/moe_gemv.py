@@ -25,7 +25,7 @@ import triton.language as tl
 
 from server.kernels.experts.e8p import RESIDUAL_SCALE
 from server.kernels.experts.moe_triton import (
-    E8P3, Q1_0, Q2_0, _e8p_nibbles, _fields4, _fields8, _residual_nibbles,
+    E8P3, Q1_0, Q2_0, _e8p_nibbles, _residual_nibbles,
 )
 
 ONE_F32 = tl.constexpr(0x3F800000)  # bit pattern of 1.0f
@@ -55,6 +55,48 @@ def _one_plus_field(c, field_mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def _placed8(x, BITS: tl.constexpr, OFFSET: tl.constexpr):
+    """The 8 BITS-bit fields of int32 words x [R, C] at bits OFFSET + BITS·j -> [R, 8·C], j minor.
+
+    Each field is moved to the top of a float32 mantissa (bits 23 - BITS .. 22) by ONE shift and
+    not masked: the caller's `& field_mask | 1.0f` is then a single LOP3 per weight. Joined like
+    moe_triton._fields8, so a field stays in the thread that loaded its word.
+    """
+    TOP: tl.constexpr = 23 - BITS
+    v0 = _shift_to(x, OFFSET, TOP)
+    v1 = _shift_to(x, OFFSET + BITS, TOP)
+    v2 = _shift_to(x, OFFSET + 2 * BITS, TOP)
+    v3 = _shift_to(x, OFFSET + 3 * BITS, TOP)
+    v4 = _shift_to(x, OFFSET + 4 * BITS, TOP)
+    v5 = _shift_to(x, OFFSET + 5 * BITS, TOP)
+    v6 = _shift_to(x, OFFSET + 6 * BITS, TOP)
+    v7 = _shift_to(x, OFFSET + 7 * BITS, TOP)
+    c0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    c1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(c0, c1), (x.shape[0], x.shape[1] * 8))
+
+
+@triton.jit
+def _shift_to(x, FROM: tl.constexpr, TO: tl.constexpr):
+    if FROM <= TO:
+        return x << (TO - FROM)
+    return x >> (FROM - TO)
+
+
+@triton.jit
+def _q_tile_order(t, BITS: tl.constexpr):
+    """Tile position t of a q1_0/q2_0 field (as _row_sums joins them) -> its weight's offset in the K step.
+
+    q2_0: t = (8w + j)·2 + h holds the field at bits 2(8h + j) of word w: weight 16w + 8h + j.
+    q1_0: t = (8w + j)·4 + 2b + a holds group g = 2a + b, bit 8g + j of word w: weight 32w + 16a + 8b + j.
+    Activations are loaded in this order, so Σ a·w pairs each field with its own input.
+    """
+    if BITS == 2:
+        return t // 16 * 16 + t % 2 * 8 + t % 16 // 2
+    return t // 32 * 32 + t % 2 * 16 + t // 2 % 2 * 8 + t % 32 // 4
+
+
+@triton.jit
 def _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
               FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Per-lane partial sums of a·(1 + c/2^B) for one K step of W[rows] -> [BLOCK_N, BLOCK_K] (and residual's).
@@ -63,14 +105,17 @@ def _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, str
     """
     if FORMAT == Q1_0 or FORMAT == Q2_0:
         BITS: tl.constexpr = 1 if FORMAT == Q1_0 else 2
-        offs_b = k0 * BITS // 8 + tl.arange(0, BLOCK_K * BITS // 8)
-        ptrs = w_e + rows[:, None] * stride_wn + offs_b[None, :]
+        words = k0 * BITS // 32 + tl.arange(0, BLOCK_K * BITS // 32)
+        ptrs = w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + words[None, :]
         if EVEN_K:
-            b = tl.load(ptrs).to(tl.int32)
+            x = tl.load(ptrs)
         else:
-            b = tl.load(ptrs, mask=(offs_b < K * BITS // 8)[None, :], other=0).to(tl.int32)
-        codes = _fields8(b, 1) if BITS == 1 else _fields4(b)
-        s = _one_plus_field(codes, field_mask, BITS) * a[None, :]
+            x = tl.load(ptrs, mask=(words < K * BITS // 32)[None, :], other=0)
+        if BITS == 2:  # tile order of the 16 fields of a word: see _q_tile_order
+            f = tl.join(_placed8(x, 2, 0), _placed8(x, 2, 16))
+        else:
+            f = tl.join(tl.join(_placed8(x, 1, 0), _placed8(x, 1, 8)), tl.join(_placed8(x, 1, 16), _placed8(x, 1, 24)))
+        s = (tl.reshape(f, (rows.shape[0], BLOCK_K)) & field_mask | ONE_F32).to(tl.float32, bitcast=True) * a[None, :]
         return s, s  # (no residual; both branches return the same types for the compiler)
     g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     gmask = (g < K // 8)[None, :]
@@ -94,14 +139,15 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
         QB: tl.constexpr = 128 if FORMAT == Q1_0 else 64  # weights per block (one d)
         NB: tl.constexpr = BLOCK_K // QB
         acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        offs_q = _q_tile_order(offs_k, 1 if FORMAT == Q1_0 else 2)
         for k0 in range(0, K, BLOCK_K):
             blk = k0 // QB + tl.arange(0, NB)
             if EVEN_K:
-                a = tl.load(a_row_ptr + k0 + offs_k).to(tl.float32)
+                a = tl.load(a_row_ptr + k0 + offs_q).to(tl.float32)
                 a_blk = tl.load(a_sum_row_ptr + blk)
                 d = tl.load(aux_e + rows[:, None] * stride_xn + blk[None, :]).to(tl.float32)
             else:  # masked blocks: a, Σa and d are 0, so they add nothing
-                a = tl.load(a_row_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+                a = tl.load(a_row_ptr + k0 + offs_q, mask=(k0 + offs_q) < K, other=0.0).to(tl.float32)
                 a_blk = tl.load(a_sum_row_ptr + blk, mask=blk < K // QB, other=0.0)
                 d = tl.load(aux_e + rows[:, None] * stride_xn + blk[None, :], mask=(blk < K // QB)[None, :],
                             other=0.0).to(tl.float32)
