@@ -42,15 +42,15 @@ def sass_counts(kernel) -> tuple[collections.Counter, dict]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        sass = subprocess.run([TOOLS / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True, check=True)
-        usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True, check=True)
+        sass, usage = (subprocess.run([TOOLS / "cuobjdump", flag, cubin.name], capture_output=True, text=True,
+                                      check=True) for flag in ("-sass", "-res-usage"))
     ops = collections.Counter(op for op in OPCODE.findall(sass.stdout) if not op.startswith("NOP"))
     return ops, dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, RESOURCES.search(usage.stdout).groups())))
 
 
 def rotation_rows(num_warps: int = 4) -> list[str]:
-    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "first_ptr": "*i32", "second_ptr": "*i32",
-                 "n_rows": "i32", "inv_sqrt": "fp32", "ROWS": "constexpr", "GROUP": "constexpr", "LOG2_GROUP": "constexpr"}
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "first_ptr": "*i32", "second_ptr": "*i32", "n_rows": "i32",
+                 "inv_sqrt": "fp32", "ROWS": "constexpr", "GROUP": "constexpr", "LOG2_GROUP": "constexpr"}
     lines = ["| G | values/program | regs | instr/value | SHFL/value | LDS+STS | BAR | LDG.128+STG.128 | spills |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for group in (64, 128, 256):
