@@ -156,7 +156,7 @@ def _rotation_and_store_rows(device) -> list[Row]:
     copy_dst = torch.empty_like(x)
     copy_ms = time_ms(lambda _: copy_dst.copy_(x), device=device)
     for group in (64, 128):
-        for per_program in (4096, 1024, 512):  # the first is the default
+        for per_program in (4096, 2048, 1024, 512):  # the first is the default
             ms = time_ms(lambda _: rotate_triton(x, group, elements_per_program=per_program), device=device)
             rows.append(Row(f"rotation bf16 G={group}, {x.numel() >> 20}M values", ms, copy_ms, 2 * x.numel() * 2,
                             "copy of the same tensor", f"{per_program} values per program"))
