@@ -7,6 +7,10 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     scores = norm_k * <R q, c[idx_k]>; V is accumulated in the rotated domain as
     sum_j p_j * norm_v * c[idx_v] with an online softmax; centroids come from the
     codebook's odd polynomial (codes.centroid_by_polynomial), not a chain of selects;
+  * codes are read as 32-bit words and split into fields inside the loading thread
+    (codes.load_indices); with fp16/bf16 queries (the GPU case) the centroids, Q
+    and P are fp16 mma operands (two values per HFMA2, fp32 accumulation), with fp32
+    queries (CPU tests) everything stays fp32;
   * a second small kernel merges the splits (log-sum-exp) and applies the one inverse
     rotation per output.
 
@@ -45,8 +49,9 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                    qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
                    H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
-                   V_BITS: tl.constexpr, BLOCK: tl.constexpr):
+                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr):
     NG: tl.constexpr = D // G
+    OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,7 +66,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :],
                     mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
         q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
-        q = tl.reshape(q, (GQA_PAD, D)) * qk_scale
+        q = (tl.reshape(q, (GQA_PAD, D)) * qk_scale).to(OP)
 
         m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
         l = tl.zeros((GQA_PAD,), tl.float32)
@@ -75,11 +80,11 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
             k_idx = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS)
             k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            k = centroid_by_polynomial(k_idx, k_poly, K_BITS)
+            k = centroid_by_polynomial(k_idx, k_poly, K_BITS, OP)
             if NG == 1:  # one norm per token: scale the scores, not every element
                 scores = tl.dot(q, tl.trans(k)) * tl.reshape(k_norm, (BLOCK,))[None, :]
             else:
-                k = tl.reshape(tl.reshape(k, (BLOCK, NG, G)) * k_norm[:, :, None], (BLOCK, D))
+                k = tl.reshape(tl.reshape(k, (BLOCK, NG, G)) * k_norm[:, :, None].to(OP), (BLOCK, D))
                 scores = tl.dot(q, tl.trans(k))
             scores = tl.where(valid[None, :], scores, float("-inf"))
 
@@ -90,12 +95,12 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
             v_idx = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS)
             v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = centroid_by_polynomial(v_idx, v_poly, V_BITS)
+            v = centroid_by_polynomial(v_idx, v_poly, V_BITS, OP)
             if NG == 1:  # fold the value norms into the probabilities
-                acc = acc * alpha[:, None] + tl.dot(p * tl.reshape(v_norm, (BLOCK,))[None, :], v)
+                acc = acc * alpha[:, None] + tl.dot((p * tl.reshape(v_norm, (BLOCK,))[None, :]).to(OP), v)
             else:
-                v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None], (BLOCK, D))
-                acc = acc * alpha[:, None] + tl.dot(p, v)
+                v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None].to(OP), (BLOCK, D))
+                acc = acc * alpha[:, None] + tl.dot(p.to(OP), v)
             m = m_new
 
         part = (seq * (H_KV * GQA) + heads) * num_splits + split
@@ -182,7 +187,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             v_pages.codes, v_pages.norms, v_pages.polynomial, signs[0], signs[1], inv_sqrt,
             scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
-            PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n, num_warps=num_warps,
+            PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
+            F16=q.dtype != torch.float32, num_warps=num_warps,
             **shape,
         )
         _merge_kernel[(num_seqs, kv_heads)](

@@ -1,9 +1,10 @@
 """Triton device functions for the turbo row layout (format.py documents it) and codebook lookups.
 
-Indices are unpacked with shifts and masks in registers. Centroids come either from a
-chain of selects against the 2^bits codebook scalars (exact; the store kernel's norm
-correction) or from the codebook's odd interpolating polynomial (a few multiply-adds per
-value; attention): no per-element gathers from global memory.
+Indices are unpacked with shifts and masks in registers (attention reads 32-bit words and
+splits them with a tl.join tree, so every field stays in the thread that loaded it).
+Centroids come either from a chain of selects against the 2^bits codebook scalars (exact;
+the store kernel's norm correction) or from the codebook's odd interpolating polynomial (a
+few multiply-adds per value; attention): no per-element gathers from global memory.
 """
 
 import triton
@@ -20,24 +21,41 @@ def pack_fields(fields, ROWS: tl.constexpr, N: tl.constexpr, WIDTH: tl.constexpr
 
 
 @triton.jit
-def unpack_fields(packed, ROWS: tl.constexpr, NBYTES: tl.constexpr, WIDTH: tl.constexpr):
-    """[ROWS, NBYTES] bytes (int32) -> [ROWS, NBYTES * 8 / WIDTH] fields, in element order."""
-    PER_BYTE: tl.constexpr = 8 // WIDTH
-    shifts = (tl.arange(0, PER_BYTE) * WIDTH)[None, None, :]
-    f = (packed[:, :, None] >> shifts) & ((1 << WIDTH) - 1)
-    return tl.reshape(f, (ROWS, NBYTES * PER_BYTE))
+def split_words(words, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+    """[R, C] int32 words -> [R, C * 2^LEVELS]: field k of each word shifted down to bit 0 (NOT masked).
+
+    A halving tree of tl.join: level l pairs every word with itself shifted right by half of
+    its remaining fields, so field k = sum of the level choices ends up at the row-major
+    position k. The joined axes stay inside the thread that loaded the word: about one shift
+    per value and no shared-memory round trip (a broadcast [R, C, N] shift spreads the fields
+    of one word over N threads, each re-reading the word).
+    """
+    x = words
+    for level in tl.static_range(LEVELS):
+        x = tl.join(x, x >> (WIDTH << (LEVELS - 1 - level)))
+    return tl.reshape(x, (words.shape[0], words.shape[1] << LEVELS))
 
 
 @triton.jit
 def load_indices(row_ptrs, mask, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Indices [ROWS, D] of the rows starting at row_ptrs [ROWS] (uint8 pointers)."""
+    """Indices [ROWS, D] of the rows starting at row_ptrs [ROWS] (uint8 pointers; rows start on
+    4-byte boundaries, as format.py's do), read as 32-bit words.
+
+    turbo3 reads its low plane as 32-bit words (16 values each) and its high plane as 16-bit
+    words (16 values each), splits both with the same tree and merges bit 2 with one LOP3.
+    """
+    words_ptrs = row_ptrs.to(tl.pointer_type(tl.int32))
     if BITS == 3:
-        low = tl.load(row_ptrs[:, None] + tl.arange(0, D // 4)[None, :], mask=mask[:, None], other=0)
-        high = tl.load(row_ptrs[:, None] + D // 4 + tl.arange(0, D // 8)[None, :], mask=mask[:, None], other=0)
-        return unpack_fields(low.to(tl.int32), ROWS, D // 4, 2) | (unpack_fields(high.to(tl.int32), ROWS, D // 8, 1) << 2)
+        low = tl.load(words_ptrs[:, None] + tl.arange(0, D // 16)[None, :], mask=mask[:, None], other=0)
+        high_ptrs = (row_ptrs + D // 4).to(tl.pointer_type(tl.uint16))
+        high = tl.load(high_ptrs[:, None] + tl.arange(0, D // 16)[None, :], mask=mask[:, None], other=0)
+        low = split_words(low, 2, 4)
+        high = split_words(high.to(tl.int32) << 2, 1, 4)  # bit j of a half-word -> bit 2 of field j
+        return (low & 3) | (high & 4)
     else:
-        packed = tl.load(row_ptrs[:, None] + tl.arange(0, D * BITS // 8)[None, :], mask=mask[:, None], other=0)
-        return unpack_fields(packed.to(tl.int32), ROWS, D * BITS // 8, BITS)
+        PER_WORD: tl.constexpr = 32 // BITS
+        words = tl.load(words_ptrs[:, None] + tl.arange(0, D // PER_WORD)[None, :], mask=mask[:, None], other=0)
+        return split_words(words, BITS, 5 - (BITS // 2)) & ((1 << BITS) - 1)  # 16 or 8 fields per word
 
 
 @triton.jit
@@ -63,12 +81,23 @@ def centroid_of(idx, centroids_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def centroid_by_polynomial(idx, coef_ptr, BITS: tl.constexpr):
-    """centroids[idx] to ~1e-7 relative, from Codebook.odd_polynomial (coefficients at coef_ptr)."""
+def centroid_by_polynomial(idx, coef_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """centroids[idx] in DTYPE from Codebook.odd_polynomial (coefficients at coef_ptr).
+
+    float32 reproduces the centroids to ~1e-7 relative. float16 stays within 1e-3 relative of
+    them (about two fp16 ulps; tests/kernels/turbo/test_codes.py; bf16 K/V storage rounds to
+    3.9e-3) and packs two values per instruction (HFMA2). Either way idx becomes a float by
+    OR-ing it into the mantissa of 2^23 (fp32) or 1024 (fp16) and subtracting that power of
+    two: exact, and no int-to-float conversion (a quarter-rate instruction on sm_90).
+    """
     HALF: tl.constexpr = 1 << (BITS - 1)
-    t = idx.to(tl.float32) * (2.0 / ((1 << BITS) - 1)) - 1.0
+    if DTYPE == tl.float16:
+        x = (idx | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        x = (idx | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    t = (x - ((1 << BITS) - 1) / 2) * (2.0 / ((1 << BITS) - 1))  # x - 7.5 is exact: no cancellation error in t
     t2 = t * t
-    acc = tl.zeros(idx.shape, tl.float32) + tl.load(coef_ptr + HALF - 1)
+    acc = tl.zeros(idx.shape, DTYPE) + tl.load(coef_ptr + HALF - 1).to(DTYPE)
     for j in tl.static_range(HALF - 1):
-        acc = acc * t2 + tl.load(coef_ptr + HALF - 2 - j)
+        acc = acc * t2 + tl.load(coef_ptr + HALF - 2 - j).to(DTYPE)
     return acc * t

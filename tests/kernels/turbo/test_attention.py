@@ -87,6 +87,18 @@ def test_fused_decode_matches_reference_and_float64(head_dim, gqa, k_kind, v_kin
     assert_close(fused, want, 2e-5, "fused decode vs float64")
 
 
+@pytest.mark.parametrize("head_dim,gqa,k_kind,v_kind", [(128, 4, "turbo3", "turbo4"), (256, 2, "turbo2", "turbo3")])
+def test_fused_decode_with_half_queries_uses_fp16_operands_within_their_rounding(head_dim, gqa, k_kind, v_kind):
+    """fp16/bf16 queries (the GPU case) decode centroids and run both dots in fp16, accumulating in fp32."""
+    store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, gqa, head_dim, k_kind, v_kind, seed=5)
+    q = q.half()
+    want = oracle(q.double(), store, meta, head_dim**-0.5)
+    fused = decode_attention_triton(q, store.k, store.v, meta, head_dim**-0.5, store.signs, store.inv_sqrt,
+                                    num_splits=2)
+    assert fused.dtype == torch.float16
+    assert_close(fused, want, 2e-3 * want.abs().max().item(), "fp16 fused decode vs float64")
+
+
 def test_fused_decode_long_context_any_split_count():
     store, meta, q = scenario([1000, 3], [1, 1], 1, 4, 128, "turbo3", "turbo3", seed=3)
     want = oracle(q, store, meta, 128**-0.5)
