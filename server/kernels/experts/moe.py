@@ -138,7 +138,7 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
     # and the sums that remove its offsets come from the very same values.
     a32 = a.float().contiguous()
     a_sum = _activation_sums(a32, fmt)
-    block_k = max(K_UNIT[fmt], 32, min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
+    block_k = _gemv_block_k(fmt, k, dual)
     table, rtable = _tables(a.device)
     grid = (expert_ids.numel(), triton.cdiv(n, GEMV_BLOCK_N))
     with timed(f"experts_{fmt}_{'gate_up' if dual else 'down'}_gemv", a.device):
@@ -153,8 +153,14 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
         )
 
 
-GEMV_BLOCK_N = 16  # output rows per program: one-token decode still launches pairs x N/16 programs
-GEMV_BLOCK_K = 256  # inputs per K step: 32 E8 codes, 4 q2_0 or 2 q1_0 blocks per row
+GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
+
+
+def _gemv_block_k(fmt: str, k: int, dual: bool) -> int:
+    """Inputs per K step: 256 (4 q2_0 / 2 q1_0 blocks, 32 E8 codes); 128 for dual E8, whose float32
+    accumulator tile [32 rows, BLOCK_K] would otherwise take 128 registers a lane (sm_90 SASS)."""
+    step = 128 if dual and fmt in ("e8p", "e8p3") else 256
+    return max(K_UNIT[fmt], 32, min(step, triton.next_power_of_2(k)))
 
 
 # Operand offset per activation dtype: MAGIC + n is exact with n in the low mantissa bits (moe_triton._dot).

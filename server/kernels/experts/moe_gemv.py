@@ -193,18 +193,23 @@ def _expert_gemv(a_ptr, a_sum_ptr, out_ptr, expert_ids_ptr, routing_ptr,
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     a_row = (pair // A_ROW_DIV).to(tl.int64)
     out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(out_rows, N - 1)  # surplus rows read real data and are dropped at the store
     w_e = w_ptr + expert * stride_we
     aux_e = aux_ptr + expert * stride_xe
     scale_e = scale_ptr + expert * stride_se
     a_row_ptr = a_ptr + a_row * stride_am
     a_sum_row_ptr = a_sum_ptr + a_row * stride_sm
-    val = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
-                     stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K)
-    if DUAL:
-        up = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows + N, K,
-                        stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K, EVEN_K)
-        val = val * tl.sigmoid(val) * up
+    # Surplus rows read real (clamped) data and are dropped at the store.
+    if DUAL:  # gate row n and up row N + n interleaved in one tile: one pass over K reads both
+        i = tl.arange(0, 2 * BLOCK_N)
+        rows = tl.minimum(tl.program_id(1) * BLOCK_N + i // 2, N - 1) + i % 2 * N
+        both = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
+                          stride_wn, stride_xn, stride_sn, FORMAT, 2 * BLOCK_N, BLOCK_K, EVEN_K)
+        gate, up = tl.split(tl.reshape(both, (BLOCK_N, 2)))
+        val = gate * tl.sigmoid(gate) * up
+    else:
+        val = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr,
+                         tl.minimum(out_rows, N - 1), K, stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K,
+                         EVEN_K)
     if ROUTED:
         val = val * tl.load(routing_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + out_rows, val.to(out_ptr.dtype.element_ty), mask=out_rows < N)
