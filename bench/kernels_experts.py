@@ -154,7 +154,8 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> lis
             if gemv:  # the tl.dot body on the same inputs, for comparison
                 kernels = [_prepared_kernels(s, gu, dn, False) for s in sets[:n_sets]]
                 g_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
-                rows.append(Row(case + " kernels only, GEMM body", g_ms, base, nbytes, "bf16 bmm", "two fused launches"))
+                rows.append(Row(case + " kernels only, GEMM body", g_ms, base, nbytes, "bf16 bmm",
+                                "two fused launches"))
     return rows
 
 

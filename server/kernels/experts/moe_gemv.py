@@ -135,7 +135,8 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
     """[BLOCK_N] float32 a · W[rows]ᵀ for one activation row (weights: one expert's, pointers at it)."""
     offs_k = tl.arange(0, BLOCK_K)
     if FORMAT == Q1_0 or FORMAT == Q2_0:
-        # level = 2c - 1 (q1_0, c < 2) or c - 1 (q2_0, c < 4): in both Σ a·level = 4·Σ a(1 + c/2**BITS) - 5·Σa, times d.
+        # level = 2c - 1 (q1_0, c < 2) or c - 1 (q2_0, c < 4):
+        # in both Σ a·level = 4·Σ a(1 + c/2**BITS) - 5·Σa, times d.
         QB: tl.constexpr = 128 if FORMAT == Q1_0 else 64  # weights per block (one d)
         NB: tl.constexpr = BLOCK_K // QB
         acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
@@ -172,7 +173,8 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
     a_total = tl.load(a_sum_row_ptr)
     val = 8 * tl.sum(acc, 1) - 11.75 * a_total
     if FORMAT == E8P3:
-        # residual nibble m = 2r + 4: Σ a·r = (Σ a·m - 4·Σa)/2 = 8·Σ a(1 + m/16) - 10·Σa; stored points are r / 2.04.
+        # residual nibble m = 2r + 4: Σ a·r = (Σ a·m - 4·Σa)/2 = 8·Σ a(1 + m/16) - 10·Σa;
+        # stored points are r / 2.04.
         val += RESIDUAL_OF_SUMS * (8 * tl.sum(acc_r, 1) - 10 * a_total)
     return val * tl.load(scale_e + rows * stride_sn).to(tl.float32)
 
