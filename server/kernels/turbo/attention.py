@@ -78,9 +78,9 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
             norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
 
-            k_idx = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS)
+            k_idx2 = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS, 1)
             k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            k = centroid_by_polynomial(k_idx, k_poly, K_BITS, OP)
+            k = centroid_by_polynomial(k_idx2, k_poly, K_BITS, OP)
             if NG == 1:  # one norm per token: scale the scores, not every element
                 scores = tl.dot(q, tl.trans(k)) * tl.reshape(k_norm, (BLOCK,))[None, :]
             else:
@@ -93,9 +93,9 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
 
-            v_idx = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS)
+            v_idx2 = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS, 1)
             v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = centroid_by_polynomial(v_idx, v_poly, V_BITS, OP)
+            v = centroid_by_polynomial(v_idx2, v_poly, V_BITS, OP)
             if NG == 1:  # fold the value norms into the probabilities
                 acc = acc * alpha[:, None] + tl.dot((p * tl.reshape(v_norm, (BLOCK,))[None, :]).to(OP), v)
             else:

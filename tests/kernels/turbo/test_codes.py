@@ -15,10 +15,11 @@ from server.kernels.turbo.format import pack_indices, unpack_indices
 
 
 @triton.jit
-def _indices_kernel(codes_ptr, out_ptr, num_rows, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+def _indices_kernel(codes_ptr, out_ptr, num_rows, ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                    UP: tl.constexpr):
     rows = tl.arange(0, ROWS)
     valid = rows < num_rows
-    idx = load_indices(codes_ptr + rows * (D * BITS // 8), valid, ROWS, D, BITS)
+    idx = load_indices(codes_ptr + rows * (D * BITS // 8), valid, ROWS, D, BITS, UP)
     tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], idx, mask=valid[:, None])
 
 
@@ -31,7 +32,8 @@ def _centroid_kernel(idx_ptr, coef_ptr, out_ptr, N: tl.constexpr, BITS: tl.const
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_indices_from_words_are_the_format_indices_for_every_value_at_every_position(bits, head_dim):
+@pytest.mark.parametrize("up", [0, 1])
+def test_indices_from_words_are_the_format_indices_for_every_value_at_every_position(bits, head_dim, up):
     """Row v*D + e holds value v at position e over a different background value; last rows masked off."""
     values = torch.arange(2**bits)
     idx = ((values + 1) % 2**bits).repeat_interleave(head_dim)[:, None].repeat(1, head_dim)
@@ -40,8 +42,8 @@ def test_indices_from_words_are_the_format_indices_for_every_value_at_every_posi
     codes = pack_indices(idx, bits)
     rows = triton.next_power_of_2(len(idx))
     out = torch.full((rows, head_dim), -1, dtype=torch.int32)
-    _indices_kernel[(1,)](codes, out, len(idx), ROWS=rows, D=head_dim, BITS=bits)
-    assert torch.equal(out[: len(idx)], unpack_indices(codes, bits, head_dim))
+    _indices_kernel[(1,)](codes, out, len(idx), ROWS=rows, D=head_dim, BITS=bits, UP=up)
+    assert torch.equal(out[: len(idx)], unpack_indices(codes, bits, head_dim) << up)
     assert out[len(idx):].eq(-1).all(), "masked rows must not be written"
 
 
@@ -53,7 +55,7 @@ def test_centroid_polynomial_in_each_dtype_is_within_its_bound_for_every_index(b
     book = codebook(bits, group)
     n = 2**bits
     out = torch.empty(n, dtype=torch.float32)
-    _centroid_kernel[(1,)](torch.arange(n, dtype=torch.int32), book.odd_polynomial_tensor(), out, N=n, BITS=bits,
-                           DTYPE=dtype)
+    idx2 = 2 * torch.arange(n, dtype=torch.int32)  # the kernel takes 2 idx (load_indices with UP=1)
+    _centroid_kernel[(1,)](idx2, book.odd_polynomial_tensor(), out, N=n, BITS=bits, DTYPE=dtype)
     want = torch.tensor(book.centroids, dtype=torch.float64)
     assert ((out.double() - want).abs() / want.abs()).max() < bound
