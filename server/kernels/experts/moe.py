@@ -80,6 +80,9 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
         return torch.zeros_like(x)
     if gemv is None:
         gemv = block_m is None and use_gemv(gate_up.format, num_pairs, num_e)
+    if gemv and not (_gemv_can_read(gate_up) and _gemv_can_read(down)):
+        _say_once("quantized experts: q codes not 4-byte aligned for the GEMV body; using the GEMM body")
+        gemv = False
     xr = gate_up.rotate_input(x).contiguous()
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
@@ -154,6 +157,14 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
 
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
+
+
+def _gemv_can_read(w: ExpertWeights) -> bool:
+    """The GEMV body reads q codes as int32 words: base and expert/row strides must be 4-byte multiples."""
+    if w.format not in ("q1_0", "q2_0"):
+        return True
+    codes = w.tensors["codes"]
+    return codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0 and codes.stride(1) % 4 == 0 and codes.stride(2) == 1
 
 
 def _gemv_block_k(fmt: str, k: int, dual: bool) -> int:

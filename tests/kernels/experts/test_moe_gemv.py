@@ -65,3 +65,17 @@ def test_gemv_and_gemm_bodies_agree_with_the_reference_on_one_problem():
     for gemv in (True, False):
         got = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=gemv)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_q_codes_that_are_not_word_aligned_take_the_gemm_body(monkeypatch):
+    """The GEMV body reads q codes as int32 words; an unaligned view must not reach it."""
+    x, w, ids, gu, dn = _problem("q2_0", 2, 64, 64, tokens=1, top_k=1, seed=13)
+    codes = gu.tensors["codes"]
+    shifted = torch.zeros(codes.numel() + 1, dtype=torch.uint8)[1:].view(codes.shape)
+    shifted.copy_(codes)
+    gu.tensors["codes"] = shifted
+    calls = []
+    monkeypatch.setattr(moe, "launch_expert_gemv", lambda *a, **k: calls.append("gemv"))
+    monkeypatch.setattr(moe, "launch_expert_gemm", lambda *a, **k: calls.append("gemm"))
+    moe.fused_moe_triton(x, w, ids, gu, dn)
+    assert calls == ["gemm", "gemm"]
