@@ -29,7 +29,11 @@ def decode64(pages, head_dim):
 
 
 def oracle(q, store, meta, scale):
-    k, v = decode64(store.k, store.head_dim), decode64(store.v, store.head_dim)
+    return attention64(q, decode64(store.k, store.head_dim), decode64(store.v, store.head_dim), meta, scale)
+
+
+def attention64(q, k, v, meta, scale):
+    """Causal softmax attention in float64 over k, v pages [num_pages, page, heads, D]."""
     kv_heads = k.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = meta.query_start_loc.tolist()

@@ -14,7 +14,7 @@ from server.kernels.turbo.attention import attention_over_decoded_pages, decode_
 from server.kernels.turbo.format import dequantize_reference, quantize_reference, unpack_indices
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
-from test_attention import decode64
+from test_attention import attention64, decode64
 
 PAGE = 16
 
@@ -49,22 +49,6 @@ def step(tables, seq_lens, q_lens, q_heads, head_dim, seed):
                              starts, list(seq_lens), list(q_lens))
     q = torch.randn(sum(q_lens), q_heads, head_dim, generator=torch.Generator().manual_seed(seed))
     return meta, q
-
-
-def attention64(q, k_pages, v_pages, meta, scale):
-    """Causal softmax attention in float64 over [pages, page, heads, D] keys and values."""
-    kv_heads = k_pages.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    starts = meta.query_start_loc.tolist()
-    for s, (n, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        pages = meta.block_tables[s, : -(-n // PAGE)].long()
-        ks = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
-        vs = v_pages[pages].reshape(-1, kv_heads, v_pages.shape[-1])[:n].repeat_interleave(q.shape[1] // kv_heads, 1)
-        for i in range(q_len):
-            pos = n - q_len + i
-            scores = torch.einsum("hd,khd->hk", q[starts[s] + i].double(), ks[: pos + 1]) * scale
-            out[starts[s] + i] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vs[: pos + 1])
-    return out
 
 
 def represented_keys(store):
