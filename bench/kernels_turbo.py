@@ -29,7 +29,7 @@ from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SWEEP = ((64, 4), (32, 4), (64, 8), (16, 4))  # (block_n, num_warps) tried at batch 8, 64K; the first is the default
+SWEEP = ((64, 4), (32, 4), (64, 8), (128, 8))  # (block_n, num_warps) tried at batch 8, 64K; the first is the default
 BATCHES, CONTEXTS = (1, 8, 32), (4096, 16384, 65536)
 CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
     (128, 4, "turbo3", "turbo3", [4099, 1000, 17, 1]), (128, 4, "turbo4", "turbo3", [16384, 33]),
