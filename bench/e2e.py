@@ -63,7 +63,11 @@ QUOTED_TRANSFORMERS = {("smollm2-135m", 1): 408, ("smollm2-135m", 32): 7388, ("l
 
 
 class NullTokenizer:
-    """Engines need a tokenizer for stop strings; benches send token ids and read token ids."""
+    """Engines need a tokenizer for stop strings; benches send token ids and read token ids.
+
+    Text (only the turbo K-offset calibration encodes any) becomes its UTF-8 bytes as ids,
+    which every vocabulary of a random-weight model holds.
+    """
 
     eos_token_ids = frozenset()
     bos_token_id = None
@@ -72,7 +76,7 @@ class NullTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError("the benchmark tokenizer has no vocabulary; submit token ids")
+        return list(text.encode())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
