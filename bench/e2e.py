@@ -156,7 +156,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def make_engine(loaded: RandomModel, max_seqs: int, tokens_per_seq: int, max_model_len: int,
+def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int,
                 kv_cache_dtype: str, budget_tokens: int, chunk: int) -> Engine:
     cfg = loaded.config
     layer_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K+V per token per layer at f32: an upper bound
@@ -226,7 +226,7 @@ def bench_shape(name: str, args, device: torch.device, copy_gbs: float, lines: l
     loaded = build_random_model(cfg, device, args.dtype)
     weight_bytes = weight_bytes_per_decode_step(loaded.model, cfg)
     max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1)
-    engine = make_engine(loaded, max(args.batch_sizes), max_len, cfg.max_position_embeddings, "auto",
+    engine = make_engine(loaded, max(args.batch_sizes), cfg.max_position_embeddings, "auto",
                          max(args.batch_sizes) * max_len, args.prefill_len)  # fmt: skip
     try:
         for batch in args.batch_sizes:
@@ -266,7 +266,7 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
         for depth in args.context_depth:
             prompt = max(depth, 1)
             try:
-                engine = make_engine(loaded, 1, prompt + new, prompt + new + 1, kv_dtype, prompt + new + 16, 8192)
+                engine = make_engine(loaded, 1, prompt + new + 1, kv_dtype, prompt + new + 16, 8192)
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
                 lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)

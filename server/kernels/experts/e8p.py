@@ -200,12 +200,6 @@ def encode_residual(r: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).to(torch.uint8) if out else torch.empty(0, dtype=torch.uint8, device=r.device)
 
 
-def encode3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, 8] -> (e8p codes int16 [n], residual codes uint8 [n]) of the two-stage `e8p3` quantizer."""
-    main = encode(x)
-    return main, encode_residual(x.float() - decode(main))
-
-
 @functools.cache
 def residual_table_packed() -> torch.Tensor:
     """[256] int32 kernel table: bits 4k..4k+3 hold 2·r_k + 4 (coordinates are in [-2, 2] on a 1/2 grid)."""

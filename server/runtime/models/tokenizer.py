@@ -104,9 +104,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_piece(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (a token may hold part of a UTF-8 character, which
         ``decode([token_id])`` shows as U+FFFD); OpenAI's logprobs report these bytes."""
