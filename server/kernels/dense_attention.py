@@ -69,6 +69,25 @@ def _load_kv_tile(pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim
 
 
 @triton.jit
+def _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask, kv_head,
+                 dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
+                 PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One BLOCK_N tile of flash attention: scores (log2 domain), online-softmax rescale, P·V accumulate."""
+    k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l = l * alpha + tl.sum(p, axis=1)
+    return acc, l, m_new
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -104,18 +123,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                          stride_page, stride_slot, stride_head, PAGE_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                          stride_page, stride_slot, stride_head, PAGE_SIZE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc, l, m = _attend_tile(q, tok_mask[None, :], acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask,
+                                 kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
+                                 PAGE_SIZE, DOT_PRECISION)
 
     # An empty range (a split past the end, or a padding row with seq_len 0) has l == 0:
     # it contributes output 0 and log-sum-exp -inf, never NaN.
@@ -190,20 +200,11 @@ def _prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                          stride_page, stride_slot, stride_head, PAGE_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        # Every row sees key 0 in the first tile, so the running max is finite from then on.
         visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        # Every row sees key 0 in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                          stride_page, stride_slot, stride_head, PAGE_SIZE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc, l, m = _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask,
+                                 kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
+                                 PAGE_SIZE, DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
