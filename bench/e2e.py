@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
-import shlex
 import sys
 import threading
 import time
@@ -31,7 +29,9 @@ import torch
 # Run as a script from anywhere: make `bench.*` and `server.*` importable from the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import BENCHMARKS_DOC, copy_bandwidth_gbs, environment_line  # noqa: E402
+from bench.harness import (  # noqa: E402
+    BENCHMARKS_DOC, command_line, copy_bandwidth_gbs, dated_heading, environment_line,
+)
 from server.config import EngineConfig  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402
 from server.runtime.models.config import ModelConfig  # noqa: E402
@@ -326,11 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_shape(name, args, device, copy_gbs, lines)
     if args.context_depth:
         bench_depths(args, device, lines)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    dtype_name = str(args.dtype).removeprefix("torch.")
     block = (
-        f"### Engine throughput, random {str(args.dtype).removeprefix('torch.')} weights ({now})\n\n"
-        f"- Command: `{command}`\n"
+        f"{dated_heading(f'Engine throughput, random {dtype_name} weights')}\n\n"
+        f"- Command: `{command_line('bench/e2e.py', argv)}`\n"
         f"- Hardware: {environment_line(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n"
         f"- Decode: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, timed after every first "
         f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy bandwidth.\n\n"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -171,6 +173,9 @@ def format_table(rows: list[Row], copy_gbs: float) -> str:
 
 
 def _git_commit() -> str:
+    """HEAD of the checkout, or TURBOSERVE_COMMIT where the tree travelled without .git (the GPU machine)."""
+    if os.environ.get("TURBOSERVE_COMMIT"):
+        return os.environ["TURBOSERVE_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
@@ -192,6 +197,17 @@ def environment_line(device: torch.device) -> str:
     return f"{name}, torch {torch.__version__}, Triton {triton_version}, commit {_git_commit()}"
 
 
+def dated_heading(title: str) -> str:
+    """The heading of a BENCHMARKS.md block: the title and the UTC minute it was measured."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"### {title} ({now})"
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The exact command a block was measured with (argv None: this process's own arguments)."""
+    return f"python {script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
 def report(
     title: str,
     rows: list[Row],
@@ -205,9 +221,8 @@ def report(
         raise ValueError(f"report({title!r}): no rows; a benchmark that measured nothing has nothing to record")
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     block = (
-        f"### {title} ({now})\n\n"
+        f"{dated_heading(title)}\n\n"
         f"- Command: `{command}`\n"
         f"- Hardware: {environment_line(device)}\n"
         f"- Measured device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)\n"

@@ -184,7 +184,6 @@ def _rotation_and_store_rows(device) -> list[Row]:
 
 
 def run(device: torch.device, copy_gbs: float) -> tuple[str, list[Row]]:
-    gen = torch.Generator().manual_seed(0)
     failures = check_correctness(device)
     sweep_rows = _decode_case(BATCHES[1], CONTEXTS[-1], "turbo3", device, SWEEP)
     for row in sweep_rows:

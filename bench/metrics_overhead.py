@@ -12,8 +12,6 @@ launch. Records into docs/BENCHMARKS.md under "Kernel timing overhead".
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import SHAPES, build_random_model, decode_tokens_per_s, prefill_tokens_per_s, record  # noqa: E402
-from bench.harness import BENCHMARKS_DOC, environment_line  # noqa: E402
+from bench.harness import BENCHMARKS_DOC, command_line, dated_heading, environment_line  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.kernels import timing  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402
@@ -90,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     graphs = "eager" if engine.runner.graphs is None else "CUDA graphs for decode"
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python bench/metrics_overhead.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    title = f"Kernel timing overhead, {args.shape} random {str(dtype).removeprefix('torch.')} weights, {graphs}"
     block = (
-        f"### Kernel timing overhead, {args.shape} random {str(dtype).removeprefix('torch.')} weights, {graphs} "
-        f"({now})\n\n- Command: `{command}`\n- Hardware: {environment_line(device)}\n"
+        f"{dated_heading(title)}\n\n- Command: `{command_line('bench/metrics_overhead.py', argv)}`\n"
+        f"- Hardware: {environment_line(device)}\n"
         f"- Median tokens/s of {args.repeats} interleaved runs per rate; cost = throughput lost against rate 0 "
         "(negative: faster, i.e. noise).\n\n" + "\n".join(lines) + "\n"
     )
