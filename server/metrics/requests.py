@@ -73,33 +73,37 @@ class RequestMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self._running = num_requests_running.labels(model_name)
-        self._waiting = num_requests_waiting.labels(model_name)
-        self._preemptions = num_preemptions.labels(model_name)
-        self._iteration_tokens = iteration_tokens.labels(model_name)
-        # Touch every labelled child so each family is exported (at zero) before traffic.
-        for reason in SUCCESS_REASONS:
-            request_success.labels(model_name, reason)
-        for reason in FAILURE_REASONS:
-            request_failure.labels(model_name, reason)
-        for family in (time_to_first_token, inter_token_latency, e2e_request_latency, request_queue_time,
-                       request_prefill_time, request_decode_time, prompt_tokens, generation_tokens):  # fmt: skip
-            family.labels(model_name)
+        # Children bound once: a labels() lookup per token costs more than the observation itself.
+        # Binding also exports every family (at zero) before traffic.
+        self.running = num_requests_running.labels(model_name)
+        self.waiting = num_requests_waiting.labels(model_name)
+        self.preemptions = num_preemptions.labels(model_name)
+        self.iteration_tokens = iteration_tokens.labels(model_name)
+        self.ttft = time_to_first_token.labels(model_name)
+        self.itl = inter_token_latency.labels(model_name)
+        self.e2e = e2e_request_latency.labels(model_name)
+        self.queue_time = request_queue_time.labels(model_name)
+        self.prefill_time = request_prefill_time.labels(model_name)
+        self.decode_time = request_decode_time.labels(model_name)
+        self.prompt_tokens = prompt_tokens.labels(model_name)
+        self.generation_tokens = generation_tokens.labels(model_name)
+        self.success = {reason: request_success.labels(model_name, reason) for reason in SUCCESS_REASONS}
+        self.failure = {reason: request_failure.labels(model_name, reason) for reason in FAILURE_REASONS}
 
     def on_step(self, num_running: int, num_waiting: int, num_tokens: int, num_preempted: int = 0) -> None:
         """After every engine step: the batch state and how much work the step did."""
-        self._running.set(num_running)
-        self._waiting.set(num_waiting)
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
         if num_tokens:
-            self._iteration_tokens.observe(num_tokens)
+            self.iteration_tokens.observe(num_tokens)
         if num_preempted:
-            self._preemptions.inc(num_preempted)
+            self.preemptions.inc(num_preempted)
 
     def on_failure(self, reason: str) -> None:
         """A request that never produced a normal finish (see FAILURE_REASONS)."""
         if reason not in FAILURE_REASONS:
             raise ValueError(f"unknown failure reason {reason!r}; expected one of {FAILURE_REASONS}")
-        request_failure.labels(self.model_name, reason).inc()
+        self.failure[reason].inc()
 
     def timeline(self, arrival: float | None = None) -> RequestTimeline:
         """Start following one request (arrival defaults to now, on time.monotonic)."""
@@ -121,27 +125,27 @@ class RequestTimeline:
         """Call whenever the request is in a step's batch; only the first call counts (queue time)."""
         if self.scheduled_at is None:
             self.scheduled_at = time.monotonic() if now is None else now
-            request_queue_time.labels(self._m.model_name).observe(self.scheduled_at - self.arrival)
+            self._m.queue_time.observe(self.scheduled_at - self.arrival)
 
     def on_tokens(self, num_tokens: int, num_prompt_tokens: int, now: float | None = None) -> None:
         """A step produced ``num_tokens`` new tokens for this request."""
         if num_tokens <= 0:
             return
         now = time.monotonic() if now is None else now
-        name = self._m.model_name
+        m = self._m
         if self.first_token_at is None:
             self.on_scheduled(now)
             self.first_token_at = now
-            time_to_first_token.labels(name).observe(now - self.arrival)
-            request_prefill_time.labels(name).observe(now - self.scheduled_at)
-            prompt_tokens.labels(name).inc(num_prompt_tokens)
+            m.ttft.observe(now - self.arrival)
+            m.prefill_time.observe(now - self.scheduled_at)
+            m.prompt_tokens.inc(num_prompt_tokens)
         else:
             # Several tokens in one step (none today) would share the gap evenly.
             gap = (now - self.last_token_at) / num_tokens
             for _ in range(num_tokens):
-                inter_token_latency.labels(name).observe(gap)
+                m.itl.observe(gap)
         self.last_token_at = now
-        generation_tokens.labels(name).inc(num_tokens)
+        m.generation_tokens.inc(num_tokens)
 
     def on_finished(self, finish_reason: str, now: float | None = None) -> None:
         """The request ended: "stop"/"length" count as success, "abort"/"error" as failures."""
@@ -149,13 +153,13 @@ class RequestTimeline:
             return
         self.finished = True
         now = time.monotonic() if now is None else now
-        name = self._m.model_name
+        m = self._m
         if finish_reason == "abort":
-            self._m.on_failure("aborted")
+            m.on_failure("aborted")
         elif finish_reason == "error":
-            self._m.on_failure("engine_error")
+            m.on_failure("engine_error")
         else:
-            request_success.labels(name, finish_reason).inc()
-        e2e_request_latency.labels(name).observe(now - self.arrival)
+            m.success[finish_reason].inc()
+        m.e2e.observe(now - self.arrival)
         if self.first_token_at is not None:
-            request_decode_time.labels(name).observe(self.last_token_at - self.first_token_at)
+            m.decode_time.observe(self.last_token_at - self.first_token_at)
