@@ -6,7 +6,10 @@ The same engine (random weights, bench/e2e.py's shapes and timing) runs decode a
 the timing hook off, at the default rate and timing every step; the rates are interleaved and
 repeated, and the median of each is compared with rate 0. With CUDA graphs, decode replays run
 no Python, so only the ops outside the graph are timed; --eager measures the hook around every
-launch. Records into docs/BENCHMARKS.md under "Kernel timing overhead".
+launch. Sampling picks whole steps, so a measurement must span many steps for a fractional rate
+to cost what it costs on average: every case runs at least --min-steps engine steps (prefill:
+that many prompts, one prompt per step). Records into docs/BENCHMARKS.md under "Kernel timing
+overhead".
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import SHAPES, build_random_model, decode_tokens_per_s, prefill_tokens_per_s, record  # noqa: E402
+from bench.e2e import SHAPES, build_random_model, decode_tokens_per_s, random_prompts, record, run_requests  # noqa: E402
 from bench.harness import BENCHMARKS_DOC, command_line, dated_heading, environment_line  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.kernels import timing  # noqa: E402
@@ -42,6 +45,12 @@ def make_engine(loaded, args) -> Engine:
     engine = Engine(config, loaded=loaded)
     engine.start()
     return engine
+
+
+def prefill_steps_tokens_per_s(engine: Engine, length: int, steps: int, vocab: int) -> float:
+    """Prefill throughput over `steps` prompts of `length` tokens, one prompt per engine step."""
+    t = run_requests(engine, random_prompts(steps, length, vocab, seed=steps), 1)
+    return steps * length / (t["end"] - t["start"])
 
 
 def median_by_rate(measure, repeats: int) -> dict[float, float]:
@@ -66,18 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--min-steps", type=int, default=200, help="engine steps per measurement (rate 0.01: ~2 timed)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: every launch goes through the hook")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
+    args.new_tokens = max(args.new_tokens, args.min_steps)  # decode: one step per new token
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = SHAPES[args.shape]
     engine = make_engine(build_random_model(cfg, device, dtype), args)
     lines = ["| case | rate 0 | rate 0.01 | rate 1 | cost at 0.01 | cost at 1 |", "|---|---:|---:|---:|---:|---:|"]
-    cases = [(f"decode b{b}", lambda b=b: decode_tokens_per_s(engine, b, args.prompt_len, args.new_tokens,
-                                                                cfg.vocab_size)) for b in args.batch_sizes]  # fmt: skip
-    cases.append((f"prefill {args.prefill_len}", lambda: prefill_tokens_per_s(engine, args.prefill_len, cfg.vocab_size)))
+    cases = [(f"decode b{b}, {args.new_tokens} steps", lambda b=b: decode_tokens_per_s(
+        engine, b, args.prompt_len, args.new_tokens, cfg.vocab_size)) for b in args.batch_sizes]  # fmt: skip
+    cases.append((f"prefill {args.prefill_len}, {args.min_steps} steps", lambda: prefill_steps_tokens_per_s(
+        engine, args.prefill_len, args.min_steps, cfg.vocab_size)))  # fmt: skip
     try:
         for case, measure in cases:
             tps = median_by_rate(measure, args.repeats)

@@ -7,6 +7,10 @@ them without waiting), so timing never synchronizes the device; on CPU, where op
 synchronously, with the monotonic clock. Rate 1 times every call, with or without steps
 (benches). Calls made while a CUDA graph is being captured are not timed: events cannot be
 recorded into a capture, and replays do not run Python.
+
+The per-call path is kept short because an eager prefill step passes it a few hundred times:
+device names are converted to strings once per device, and timing events are reused from a
+pool once they have been read, instead of being created for every launch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ _enabled = False  # rate > 0: calls are counted
 _sampling = False  # this step's calls are timed
 _credit = 0.0  # accumulates the rate each step; a step is timed when it reaches 1
 _pending: deque = deque()  # (kernel, device, start_event, end_event), oldest first
+_free_events: list = []  # events already read, ready to be recorded again
+_device_names: dict = {}  # torch.device or str -> its label
 
 
 def set_sample_rate(rate: float) -> None:
@@ -67,11 +73,20 @@ def timed(kernel: str, device: torch.device | str):
     """Context manager around one launch of ``kernel`` on ``device``."""
     if not _enabled:
         return _OFF
-    device = str(device)
+    device = _device_names.get(device) or _device_name(device)
     kernel_metrics.count_call(kernel, device)
     if not _sampling:
         return _OFF
     return _Timer(kernel, device)
+
+
+def _device_name(device: torch.device | str) -> str:
+    name = _device_names[device] = str(device)
+    return name
+
+
+def _event():
+    return _free_events.pop() if _free_events else torch.cuda.Event(enable_timing=True)
 
 
 class _Timer:
@@ -85,7 +100,7 @@ class _Timer:
     def __enter__(self):
         if self.device.startswith("cuda"):
             if not torch.cuda.is_current_stream_capturing():
-                self.start = torch.cuda.Event(enable_timing=True)
+                self.start = _event()
                 self.start.record()
         else:
             self.t0 = time.perf_counter()
@@ -93,7 +108,7 @@ class _Timer:
 
     def __exit__(self, *exc):
         if self.start is not None:
-            end = torch.cuda.Event(enable_timing=True)
+            end = _event()
             end.record()
             _pending.append((self.kernel, self.device, self.start, end))
             if len(_pending) >= _PENDING_LIMIT:
@@ -108,3 +123,4 @@ def _resolve_ready() -> None:
     while _pending and _pending[0][3].query():
         kernel, device, start, end = _pending.popleft()
         kernel_metrics.observe(kernel, device, start.elapsed_time(end) / 1e3)
+        _free_events.extend((start, end))

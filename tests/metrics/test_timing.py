@@ -14,6 +14,7 @@ def timing_off_afterwards():
     yield
     timing.set_sample_rate(0.0)
     timing._pending.clear()  # fake events left by a failed test must not block the next one
+    timing._free_events.clear()  # nor be handed to the next test's timers
 
 
 def kernel_name() -> str:
@@ -109,7 +110,7 @@ class FakeEvent:
         self.at, self.done = None, False
 
     def record(self):
-        self.at = FakeEvent.clock_ms
+        self.at, self.done = FakeEvent.clock_ms, False  # recording again makes an event pending again
 
     def query(self) -> bool:
         return self.done
@@ -177,3 +178,33 @@ def test_no_events_are_recorded_into_a_cuda_graph_capture(fake_cuda):
     assert not timing._pending
     timing.flush()
     assert cuda_timed_count(kernel) == 0
+
+
+def finish_all_starts():
+    for _, _, start, _ in timing._pending:
+        start.done = True  # on a GPU a finished end event implies its start finished
+
+
+def test_timed_steps_reuse_events_once_they_are_read(fake_cuda, monkeypatch):
+    created = []
+
+    class CountingEvent(FakeEvent):
+        def __init__(self, enable_timing: bool = False):
+            super().__init__(enable_timing)
+            created.append(self)
+
+    monkeypatch.setattr(timing.torch.cuda, "Event", CountingEvent)
+    kernel = kernel_name()
+    timing.set_sample_rate(1.0)
+    for _ in range(2):
+        with timing.timed(kernel, "cuda:0"):
+            FakeEvent.clock_ms += 1.0
+    finish_all_starts()
+    timing.flush()
+    assert len(created) == 4 and cuda_timed_count(kernel) == 2
+    with timing.timed(kernel, "cuda:0"):
+        FakeEvent.clock_ms += 2.0
+    assert len(created) == 4, "a read event pair should have been recorded again, not a new one created"
+    finish_all_starts()
+    timing.flush()
+    assert cuda_timed_count(kernel) == 3
