@@ -1,4 +1,5 @@
-"""Skinny matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M <= 16 rows.
+"""Skinny matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M <= 16 rows, and the same
+matmul with the layer's next elementwise op fused into its epilogue.
 
 At decode the projections are weight streaming: every weight is read once per step and used by
 at most 16 rows, so the kernel's only job is to read W at copy bandwidth. Each program owns a
@@ -11,9 +12,19 @@ not tuned on the GPU: bench/dense_gpu_check.py times them next to F.linear.
 
 Two bodies share the loop: one row (M == 1) multiplies on the CUDA cores and reduces once at the
 end; 2..16 rows pad to 16 and use the tensor cores with W as the wide operand (acc [BLOCK_N, 16]).
-``linear`` dispatches: Triton on CUDA for fp16/bf16 with at most MAX_ROWS rows, F.linear otherwise.
-The launch is CUDA-graph safe: shapes decide the grid, the output comes from the caching
-allocator, nothing synchronizes.
+
+Fused epilogues (issue 2: every launch inside a decode graph costs a ramp and a tail). A program then
+owns PAIRS of weight rows and walks K once for both, so an op that needs two outputs of the projection
+at once finishes in registers and the projection's output is never written:
+- "silu_and_mul": rows j (gate) and I + j (up) of the fused gate_up weight -> silu(gate) * up, [M, I];
+- "rope": rows i and i + D/2 of every q and k head (the rotate-half pairs) -> rotated to each row's
+  position; v rows are paired too (r with r + V/2) and pass unrotated, so one grid covers all of qkv.
+The projection is rounded to the activation dtype before the fused op, where the unfused path stores
+it, and the op then computes in float32 as server/kernels/swiglu.py and rotary.py do.
+
+``linear``, ``linear_silu_and_mul`` and ``linear_rope`` dispatch: Triton on CUDA for fp16/bf16 with
+at most MAX_ROWS rows, cuBLAS (plus the separate fused-op kernel) otherwise. Launches are CUDA-graph
+safe: shapes decide the grid, outputs come from the caching allocator, nothing synchronizes.
 """
 
 from __future__ import annotations
@@ -37,85 +48,160 @@ PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a 
 # BLOCK_N * BLOCK_K: 16 KiB of bf16 weights per program per iteration on the CUDA cores (64 fp32
 # accumulators a thread at 4 warps, ~120 registers: 4 programs per SM, each with 2 tiles in flight);
 # half that for tensor cores, whose W and padded x tiles both take shared memory in every stage.
+# A paired program holds two tiles of half the size.
 TILE_ELEMENTS = 8192
+EPILOGUES = ("none", "silu_and_mul", "rope")
+
+
+@triton.jit
+def _rope_pair_rows(j, N, ROTATED: tl.constexpr, HALF: tl.constexpr):
+    """Weight rows (a, b) of pair j of a qkv projection: rotate-half partners of a q/k head for
+    j < ROTATED (= rotated heads * HALF), else v rows r and r + V/2."""
+    in_head = (j // HALF) * (2 * HALF) + j % HALF
+    in_v = j + ROTATED  # = 2 * ROTATED + (j - ROTATED)
+    v_half = (N - 2 * ROTATED) // 2
+    rotated = j < ROTATED
+    return tl.where(rotated, in_head, in_v), tl.where(rotated, in_head + HALF, in_v + v_half)
+
+
+@triton.jit
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    if BLOCK_M == 1:
+        return acc + w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcasts over the rows
+    return tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _reduced(acc, BLOCK_M: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] float32 results of an accumulator."""
+    if BLOCK_M == 1:
+        return tl.sum(acc, axis=1)[:, None]
+    return acc
 
 
 @triton.jit
 def _skinny_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_freq_ptr, rope_scaling, M, N, K, stride_xm, stride_wn, stride_ym,
+    EPILOGUE: tl.constexpr, ROTATED: tl.constexpr, HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N re-read row N-1 instead of masking: the W loads stay unpredicated and vectorized;
-    # those results are never stored.
-    w_rows = tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    # j: this program's outputs (rows of W, or pairs of rows when an epilogue is fused).
+    j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPILOGUE == "none":
+        num_out = N
+    else:
+        num_out = N // 2
+    # Outputs past the end re-read the last one instead of masking: the W loads stay unpredicated and
+    # vectorized; those results are never stored.
+    jc = tl.minimum(j, num_out - 1)
+    if EPILOGUE == "rope":
+        rows_a, rows_b = _rope_pair_rows(jc, N, ROTATED, HALF)
+    else:  # silu_and_mul: gate row j, up row I + j (rows_b unused without an epilogue)
+        rows_a, rows_b = jc, jc + num_out
+    wa_rows = rows_a.to(tl.int64) * stride_wn
+    wb_rows = rows_b.to(tl.int64) * stride_wn
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_b = tl.zeros_like(acc_a)  # loop-carried but untouched without an epilogue: the compiler drops it
     # An explicit stage count: Triton pipelines (cp.async) loops without a tl.dot only when asked.
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + w_rows[:, None] + cols[None, :]
         x_ptrs = x_ptr + m[:, None] * stride_xm + cols[None, :]
+        wa_ptrs = w_ptr + wa_rows[:, None] + cols[None, :]
+        wb_ptrs = w_ptr + wb_rows[:, None] + cols[None, :]
         if EVEN_K:
-            w = tl.load(w_ptrs)
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            wa = tl.load(wa_ptrs)
+            if EPILOGUE != "none":
+                wb = tl.load(wb_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=(cols < K)[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcasts over the rows
-        else:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-    if BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]
-    else:
-        out = acc
+            wa = tl.load(wa_ptrs, mask=(cols < K)[None, :], other=0.0)
+            if EPILOGUE != "none":
+                wb = tl.load(wb_ptrs, mask=(cols < K)[None, :], other=0.0)
+        acc_a = _accumulate(acc_a, wa, x, BLOCK_M, INPUT_PRECISION)
+        if EPILOGUE != "none":
+            acc_b = _accumulate(acc_b, wb, x, BLOCK_M, INPUT_PRECISION)
+    out_ty = y_ptr.dtype.element_ty
+    mask = (j < num_out)[:, None] & m_mask[None, :]
+    a = _reduced(acc_a, BLOCK_M)
     if HAS_BIAS:
-        out += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + m[None, :] * stride_ym + rows[:, None]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & m_mask[None, :])
+        a += tl.load(b_ptr + rows_a).to(tl.float32)[:, None]
+    if EPILOGUE == "none":
+        tl.store(y_ptr + m[None, :] * stride_ym + rows_a[:, None], a.to(out_ty), mask=mask)
+    else:
+        b = _reduced(acc_b, BLOCK_M)
+        if HAS_BIAS:
+            b += tl.load(b_ptr + rows_b).to(tl.float32)[:, None]
+        # Rounded where the unfused path stores the projection, then the op in float32.
+        a = a.to(out_ty).to(tl.float32)
+        b = b.to(out_ty).to(tl.float32)
+        if EPILOGUE == "silu_and_mul":
+            y = a / (1.0 + tl.exp(-a)) * b
+            tl.store(y_ptr + m[None, :] * stride_ym + jc[:, None], y.to(out_ty), mask=mask)
+        else:
+            position = tl.load(pos_ptr + m, mask=m_mask, other=0).to(tl.float32)
+            angle = tl.load(inv_freq_ptr + jc % HALF)[:, None] * position[None, :]  # [BLOCK_N, BLOCK_M]
+            cos = tl.cos(angle) * rope_scaling
+            sin = tl.sin(angle) * rope_scaling
+            rotated = (j < ROTATED)[:, None]
+            ya = tl.where(rotated, a * cos - b * sin, a)
+            yb = tl.where(rotated, b * cos + a * sin, b)
+            tl.store(y_ptr + m[None, :] * stride_ym + rows_a[:, None], ya.to(out_ty), mask=mask)
+            tl.store(y_ptr + m[None, :] * stride_ym + rows_b[:, None], yb.to(out_ty), mask=mask)
 
 
-def _config(rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for a shape: BLOCK_N as large as keeps ~PROGRAMS_TARGET programs."""
+def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a shape: BLOCK_N as large as keeps ~PROGRAMS_TARGET programs.
+    Paired programs own BLOCK_N pairs: the same rows per program as unpaired, in two tiles."""
     slab = triton.next_power_of_2(max(1, n // PROGRAMS_TARGET))
     if rows == 1:
         block_m, block_n = 1, min(max(slab, 4), 32)
     else:  # tl.dot needs every tile side >= 16
-        block_m, block_n = 16, min(max(slab, 16), 64)
+        block_m, block_n = 16, min(max(slab, 32 if paired else 16), 64)
     tile = TILE_ELEMENTS if rows == 1 else TILE_ELEMENTS // 2
+    if paired:
+        block_n //= 2
+        tile //= 2
     block_k = max(16, min(tile // block_n, triton.next_power_of_2(k)))
     return block_m, block_n, block_k
 
 
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> x @ weight.T + bias, [M, N] in x's dtype."""
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"skinny_matmul expects x [M, K] and weight [N, K] with the same K, got {tuple(x.shape)} and "
+            f"{what} expects x [M, K] and weight [N, K] with the same K, got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}"
         )
-    rows, k = x.shape
-    n = weight.shape[0]
+    rows, n = x.shape[0], weight.shape[0]
     if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"skinny_matmul handles 1..{MAX_ROWS} rows, got {rows}; use F.linear for more")
+        raise ValueError(f"{what} handles 1..{MAX_ROWS} rows, got {rows}; use F.linear for more")
     if x.dtype != weight.dtype or (bias is not None and bias.shape != (n,)):
         raise ValueError(
-            f"skinny_matmul needs x and weight of one dtype and bias [N]; got {x.dtype}, {weight.dtype}, "
+            f"{what} needs x and weight of one dtype and bias [N]; got {x.dtype}, {weight.dtype}, "
             f"bias {None if bias is None else tuple(bias.shape)} for N={n}"
         )
     if weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError("skinny_matmul needs x and weight contiguous along K (pass .contiguous() tensors)")
-    block_m, block_n, block_k = _config(rows, n, k)
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    bias_arg = bias.contiguous() if bias is not None else weight  # any pointer; unread without HAS_BIAS
-    _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias_arg, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        raise ValueError(f"{what} needs x and weight contiguous along K (pass .contiguous() tensors)")
+
+
+def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_freq=None, scaling=1.0,
+            rotated=0, half=1) -> torch.Tensor:  # fmt: skip
+    rows, k = x.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k = _config(rows, n, k, paired=epilogue != "none")
+    y = torch.empty((rows, out_width), dtype=x.dtype, device=x.device)
+    unused = weight  # any pointer for arguments the epilogue does not read
+    _skinny_matmul_kernel[(triton.cdiv(n if epilogue == "none" else n // 2, block_n),)](
+        x, weight, unused if bias is None else bias.contiguous(), y,
+        unused if positions is None else positions, unused if inv_freq is None else inv_freq, float(scaling),
+        rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        EPILOGUE=epilogue, ROTATED=rotated, HALF=half,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
         STAGES=3 if block_m == 1 else 4, num_warps=4,
@@ -123,24 +209,104 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); decode-sized inputs (<= MAX_ROWS rows after flattening) take skinny_matmul."""
-    global _unusable
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> x @ weight.T + bias, [M, N] in x's dtype."""
+    _check_operands(x, weight, bias, "skinny_matmul")
+    return _launch(x, weight, bias, weight.shape[0])
+
+
+def skinny_matmul_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K], gate_up_weight [2I, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, I]."""
+    _check_operands(x, gate_up_weight, None, "skinny_matmul_silu_and_mul")
+    if gate_up_weight.shape[0] % 2:
+        raise ValueError(f"skinny_matmul_silu_and_mul needs [2 * width, K] gate_up rows, got {gate_up_weight.shape[0]}")
+    return _launch(x, gate_up_weight, None, gate_up_weight.shape[0] // 2, "silu_and_mul")
+
+
+def skinny_matmul_rope(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+    inv_freq: torch.Tensor, scaling: float, rotated_heads: int, head_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    """qkv = x @ weight.T + bias [M, N] with its first ``rotated_heads`` heads (q, then k) rotated to
+    ``positions`` [M] (rotate-half pairs, angle position * inv_freq in float32, times ``scaling``)."""
+    _check_operands(x, weight, bias, "skinny_matmul_rope")
+    n = weight.shape[0]
+    if head_dim % 2 or inv_freq.shape != (head_dim // 2,) or (n - rotated_heads * head_dim) % 2 or n < rotated_heads * head_dim:
+        raise ValueError(
+            f"skinny_matmul_rope: {n} rows must hold {rotated_heads} rotated heads of an even head_dim {head_dim} "
+            f"and an even number of other rows, with head_dim / 2 frequencies (got {tuple(inv_freq.shape)})"
+        )
+    if positions.shape != (x.shape[0],):
+        raise ValueError(f"skinny_matmul_rope: positions {tuple(positions.shape)} must give one per row of x {tuple(x.shape)}")
+    return _launch(x, weight, bias, n, "rope", positions, inv_freq.float(), scaling,
+                   rotated_heads * head_dim // 2, head_dim // 2)  # fmt: skip
+
+
+def _skinny_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """Rows of x after flattening when the skinny kernel serves this call, else 0."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (
+    fits = (
         _unusable is None
         and use_triton(x)
         and 1 <= rows <= MAX_ROWS
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
-    ):
-        try:
-            y = skinny_matmul(x.reshape(rows, k).contiguous(), weight, bias)
-        except (CompilationError, OutOfResources) as exc:  # slower but correct, said once, never silent
-            _unusable = f"{type(exc).__name__}: {exc}"
-            log.warning("skinny matmul does not build on this GPU (%s); projections use F.linear", _unusable)
-        else:
+    )
+    return rows if fits else 0
+
+
+def _guarded(launch):
+    """launch() or None when the kernel does not build on this GPU (said once, never silent)."""
+    global _unusable
+    try:
+        return launch()
+    except (CompilationError, OutOfResources) as exc:
+        _unusable = f"{type(exc).__name__}: {exc}"
+        log.warning("skinny matmul does not build on this GPU (%s); projections use F.linear", _unusable)
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); decode-sized inputs (<= MAX_ROWS rows after flattening) take skinny_matmul."""
+    rows = _skinny_rows(x, weight)
+    if rows:
+        y = _guarded(lambda: skinny_matmul(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias))
+        if y is not None:
             return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of F.linear(x [T, K], gate_up_weight); one launch for decode-sized inputs."""
+    if _skinny_rows(x, gate_up_weight):
+        y = _guarded(lambda: skinny_matmul_silu_and_mul(x.contiguous(), gate_up_weight))
+        if y is not None:
+            return y
+    from server.kernels.swiglu import silu_and_mul
+
+    return silu_and_mul(F.linear(x, gate_up_weight))
+
+
+def linear_rope(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+    inv_freq: torch.Tensor, scaling: float, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) of a fused qkv projection of x [T, K], q and k rotated
+    to ``positions``; one launch for decode-sized inputs, else F.linear and server/kernels/rotary.py."""
+    tokens = x.shape[0]
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    if _skinny_rows(x, weight):
+        qkv = _guarded(lambda: skinny_matmul_rope(
+            x.contiguous(), weight, bias, positions, inv_freq, scaling, num_heads + num_kv_heads, head_dim))  # fmt: skip
+        if qkv is not None:
+            q, k, v = qkv.split(sizes, dim=-1)
+            return q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim), v.view(
+                tokens, num_kv_heads, head_dim)  # fmt: skip
+    from server.kernels.rotary import apply_rotary
+
+    q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+    q, k = apply_rotary(positions, q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
+                        inv_freq, scaling)  # fmt: skip
+    return q, k, v.view(tokens, num_kv_heads, head_dim)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.kernels.rmsnorm import rms_norm
+from server.kernels.rmsnorm import add_rms_norm, rms_norm
 from server.kernels.rotary import apply_rotary
 from server.kernels.swiglu import silu_and_mul
 from server.runtime.models.llama import RMSNorm
@@ -34,6 +34,25 @@ def test_rms_norm_matches_reference_and_oracle(dtype, tol, dim):
     assert max_diff(reference, expected) <= tol * 4, "reference vs float64 oracle"
     assert max_diff(fast, expected) <= tol * 4, f"Triton rms_norm vs float64 oracle: {max_diff(fast, expected):.3g}"
     assert max_diff(fast, reference) <= tol * 4, "Triton rms_norm vs reference"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 100)])
+def test_add_rms_norm_matches_reference_and_oracle(dtype, tol, rows, dim):
+    g = torch.Generator().manual_seed(rows * dim)
+    x, residual = (torch.randn(rows, dim, generator=g) * 3).to(dtype), (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    ref = RMSNorm(dim, 1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(dim, generator=g))
+        reference, reference_sum = ref.add_and_norm(x, residual)  # the torch path (CPU tensors)
+    fast, fast_sum = add_rms_norm(x, residual, ref.weight, 1e-5)
+    assert torch.equal(fast_sum, x + residual), "the new residual is the sum rounded to the dtype, as a separate add"
+    assert torch.equal(reference_sum, x + residual)
+    s = (x + residual).double()
+    expected = ref.weight.double() * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert max_diff(reference, expected) <= tol * 4, "reference vs float64 oracle"
+    assert max_diff(fast, expected) <= tol * 4, f"Triton add_rms_norm vs float64 oracle: {max_diff(fast, expected):.3g}"
+    assert max_diff(fast, reference) <= tol * 4, "Triton add_rms_norm vs reference"
 
 
 def test_rms_norm_over_heads_of_a_strided_view():
@@ -95,6 +114,8 @@ def test_silu_and_mul_matches_reference_and_oracle(dtype, tol):
 def test_bad_shapes_are_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="weight has shape"):
         rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="must match"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="2 \\* width"):
         silu_and_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="even head_dim"):
@@ -126,3 +147,39 @@ def test_llama_forward_on_the_fast_path_matches_the_reference_path(monkeypatch):
     for i, (ref, fast) in enumerate(zip(logits[False], logits[True])):
         for seq in ref:
             assert max_diff(fast[seq], ref[seq]) <= 1e-4, f"step {i}, sequence {seq}: fast path logits differ"
+
+
+def test_llama_decode_through_the_fused_matmuls_matches_the_reference_path(monkeypatch):
+    # fp16, so the decode rows (<= 16) take the skinny matmuls with SiLU*up and RoPE in their epilogues, and
+    # every norm after the first takes the residual add; the 20-row prefill step takes F.linear + separate ops.
+    from server.kernels import gemv, paged_kv
+    from server.runtime.models import llama, rope
+    from server.runtime.models.config import ModelConfig
+    from tests.models.paged_batch import PagedBatch
+
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=6,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=128, tie_word_embeddings=False, attention_bias=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = llama.CausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model = model.half()
+    steps = [{"a": list(range(1, 13)), "b": [5, 6, 7, 8, 9, 10, 11, 12]}, {"a": [40], "b": [41]}, {"a": [3], "b": [4]}]
+    logits = {}
+    calls = []
+    real = gemv.skinny_matmul_rope
+    for fast in (False, True):
+        for module in (paged_kv, llama, rope, gemv):
+            monkeypatch.setattr(module, "use_triton", lambda t, fast=fast: fast)
+        monkeypatch.setattr(gemv, "skinny_matmul_rope", lambda *a: calls.append(len(a[0])) or real(*a))
+        batch = PagedBatch(model, num_pages=16, page_size=4, kv_dtype=torch.float16)
+        logits[fast] = [batch.step(step) for step in steps]
+    assert calls == [2, 2] * 2, "each decode step's qkv takes the fused kernel in both layers"
+    for i, (ref, fast) in enumerate(zip(logits[False], logits[True])):
+        for seq in ref:
+            scale = ref[seq].abs().max().item()
+            assert max_diff(fast[seq], ref[seq]) <= 2e-2 * scale, f"step {i}, sequence {seq}: fast path logits differ"

@@ -49,6 +49,15 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add in front of a norm, one launch on the fast path."""
+        if use_triton(x):
+            from server.kernels.rmsnorm import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self(summed), summed
+
 
 class DenseMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Call: ``mlp(x [T, H]) -> [T, H]``; a quantized MLP keeps that call."""
@@ -59,14 +68,13 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with timed("gate_up_proj", x.device):
-            gate_up = linear(x, self.gate_up_proj.weight)
-        if use_triton(gate_up):
-            from server.kernels.swiglu import silu_and_mul
+        if use_triton(x):
+            from server.kernels.gemv import linear_silu_and_mul  # decode: SiLU * up in the matmul's epilogue
 
-            act = silu_and_mul(gate_up)
+            with timed("gate_up_proj", x.device):
+                act = linear_silu_and_mul(x, self.gate_up_proj.weight)
         else:
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
             act = F.silu(gate) * up
         with timed("down_proj", x.device):
             return linear(act, self.down_proj.weight)
@@ -88,18 +96,27 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
-        with timed("qkv_proj", x.device):
-            qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
-            dim=-1,
-        )
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is None and use_triton(x):
+            from server.kernels.gemv import linear_rope  # decode: RoPE in the matmul's epilogue
+
+            with timed("qkv_proj", x.device):
+                q, k, v = linear_rope(
+                    x, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.inv_freq,
+                    self.rotary.attention_scaling, self.num_heads, self.num_kv_heads, self.head_dim,
+                )  # fmt: skip
+        else:
+            with timed("qkv_proj", x.device):
+                qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+            q, k, v = qkv.split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+                dim=-1,
+            )
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         kv.write(k, v, meta.slot_mapping)
         out = kv.attend(q, meta, self.scale)
         with timed("o_proj", x.device):
@@ -115,10 +132,17 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv: KVLayerStore,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(this layer's MLP output, the residual stream before it). The residual stream after a layer is
+        their sum; it is taken by the next norm's add (one launch: add_and_norm), never on its own."""
+        if residual is None:  # the first layer: x is the embeddings
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, positions, kv, meta), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -144,10 +168,10 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         if len(kv) != len(self.layers):
             raise ValueError(f"got {len(kv)} KV stores for a model of {len(self.layers)} layers; pass one per layer")
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, store in zip(self.layers, kv):
-            x = layer(x, positions, store, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, store, meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (only the rows that need logits) -> float32 logits [N, vocab]."""

@@ -1,0 +1,117 @@
+"""Skinny matmul with a fused epilogue (server/kernels/gemv.py: SiLU * up for gate_up, RoPE for qkv) vs the
+unfused composition (F.linear, then the model's torch reference op) vs a float64 oracle, through the Triton
+interpreter on CPU (fp16/fp32 only), at odd widths, ragged K, both bodies (1 row; 2..16 rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.kernels import gemv
+from server.runtime.models.rope import RotaryEmbedding
+from tests.kernels.test_gemv import TOLERANCE, assert_close
+
+SHAPES = [(1, 37, 70), (3, 37, 2100), (16, 45, 40), (1, 19, 2100)]  # (rows, output width, K)
+
+
+def silu_and_mul_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("rows,width,k", SHAPES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+def test_gate_up_with_silu_and_mul_matches_composition_and_oracle(rows, width, k, dtype):
+    g = torch.Generator().manual_seed(rows * width + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(2 * width, k, generator=g) * k**-0.5 * 3).to(dtype)  # gates over [-6, 6]: SiLU's bend
+    fused = gemv.skinny_matmul_silu_and_mul(x, w)
+    assert fused.shape == (rows, width) and fused.dtype == dtype
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    atol, rtol = TOLERANCE[dtype]
+    # The fused op rounds the projection to dtype, then one more rounding: a few ulps of the result.
+    assert_close(fused, silu_and_mul_oracle(x, w), 4 * atol, 4 * rtol, "fused gate_up vs float64 oracle")
+    assert_close(fused, F.silu(gate) * up, 4 * atol, 4 * rtol, "fused gate_up vs F.linear + F.silu * up")
+
+
+def rope_oracle(x, w, bias, positions, rotary: RotaryEmbedding, rotated_heads: int, head_dim: int):
+    """float64: project, then rotate each pair (i, i + D/2) of the first heads by position * inv_freq[i]."""
+    qkv = x.double() @ w.double().T + (0.0 if bias is None else bias.double())
+    heads = qkv[:, : rotated_heads * head_dim].view(len(x), rotated_heads, head_dim)
+    angle = positions[:, None, None].double() * rotary.inv_freq.double()
+    cos, sin = torch.cos(angle) * rotary.attention_scaling, torch.sin(angle) * rotary.attention_scaling
+    x1, x2 = heads.chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1)
+    return torch.cat((rotated, qkv[:, rotated_heads * head_dim :]), dim=1)
+
+
+# (rows, q heads, kv heads, head_dim, K): GQA ratios 1..8, one token and a 16-row batch, ragged K.
+ROPE_CASES = [(1, 4, 4, 16, 70), (3, 6, 2, 8, 2100), (16, 8, 1, 16, 40), (1, 9, 3, 64, 33), (5, 5, 1, 32, 64)]
+
+
+@pytest.mark.parametrize("rows,q_heads,kv_heads,head_dim,k", ROPE_CASES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+def test_qkv_with_rope_matches_composition_and_oracle(rows, q_heads, kv_heads, head_dim, k, dtype):
+    g = torch.Generator().manual_seed(rows + q_heads * kv_heads + k)
+    n = (q_heads + 2 * kv_heads) * head_dim
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if q_heads % 2 else None  # Qwen2 has a qkv bias
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024} if rows == 5 else None
+    rotary = RotaryEmbedding(head_dim, 10000.0, scaling, 4096)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    positions[0] = 0 if rows > 1 else 4095
+    fused = gemv.skinny_matmul_rope(x, w, bias, positions, rotary.inv_freq, rotary.attention_scaling,
+                                    q_heads + kv_heads, head_dim)  # fmt: skip
+    assert fused.shape == (rows, n) and fused.dtype == dtype
+
+    qkv = F.linear(x, w, bias)
+    q, k_, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    ref_q, ref_k = rotary(positions, q.reshape(rows, q_heads, head_dim), k_.reshape(rows, kv_heads, head_dim))
+    composed = torch.cat((ref_q.flatten(1), ref_k.flatten(1), v), dim=1)
+    oracle = rope_oracle(x, w, bias, positions, rotary, q_heads + kv_heads, head_dim)
+    atol, rtol = TOLERANCE[dtype]
+    # float32 angles at position 4095 are good to ~4e-4 rad (the reference's own error, see test_fused_layer_ops);
+    # fp16: the reference rotates in fp16 arithmetic, a few ulps from either.
+    slack = 1e-3 if dtype == torch.float32 else 4 * atol
+    assert_close(fused, oracle, slack, 4 * rtol, "fused qkv + RoPE vs float64 oracle")
+    assert_close(fused, composed, slack, 8 * rtol, "fused qkv + RoPE vs F.linear + RotaryEmbedding")
+    v_cols = slice((q_heads + kv_heads) * head_dim, n)
+    assert_close(fused[:, v_cols], F.linear(x, w, bias)[:, v_cols], atol, rtol, "v rows are not rotated")
+
+
+def test_fused_launchers_refuse_bad_shapes_with_a_clear_message():
+    x = torch.randn(1, 32)
+    with pytest.raises(ValueError, match="2 \\* width"):
+        gemv.skinny_matmul_silu_and_mul(x, torch.randn(7, 32))
+    with pytest.raises(ValueError, match="even head_dim"):
+        gemv.skinny_matmul_rope(x, torch.randn(30, 32), None, torch.zeros(1, dtype=torch.int64), torch.rand(3), 1.0, 4, 7)
+    with pytest.raises(ValueError, match="one per row"):
+        gemv.skinny_matmul_rope(x, torch.randn(48, 32), None, torch.zeros(2, dtype=torch.int64), torch.rand(4), 1.0, 4, 8)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        gemv.skinny_matmul_silu_and_mul(torch.randn(17, 32), torch.randn(8, 32))
+
+
+def test_fused_linears_take_the_kernel_up_to_16_rows_and_fall_back_to_the_separate_ops_above(monkeypatch):
+    monkeypatch.setattr(gemv, "use_triton", lambda t: True)  # the CPU interpreter stands in for CUDA
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2 * 24, 40, generator=g).to(torch.float16)
+    rotary = RotaryEmbedding(8, 10000.0, None, 4096)
+    qkv_w = torch.randn(4 * 8, 40, generator=g).to(torch.float16)  # 2 q heads, 1 kv head of dim 8
+    launched = []
+    for name in ("skinny_matmul_silu_and_mul", "skinny_matmul_rope"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, real=real, name=name: launched.append((name, len(a[0]))) or real(*a))
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 40, generator=g).to(torch.float16)
+        positions = torch.arange(rows) * 7
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        assert_close(gemv.linear_silu_and_mul(x, w), F.silu(gate) * up, 4e-3, 2**-8, f"linear_silu_and_mul {rows} rows")
+        q, k, v = gemv.linear_rope(x, qkv_w, None, positions, rotary.inv_freq, 1.0, 2, 1, 8)
+        assert q.shape == (rows, 2, 8) and k.shape == (rows, 1, 8) and v.shape == (rows, 1, 8)
+        q_ref, k_ref = rotary(positions, *(t.view(rows, -1, 8) for t in F.linear(x, qkv_w)[:, :24].split([16, 8], 1)))
+        assert_close(q, q_ref, 1e-2, 2**-7, f"linear_rope q, {rows} rows")
+        assert_close(k, k_ref, 1e-2, 2**-7, f"linear_rope k, {rows} rows")
+        assert_close(v.flatten(1), F.linear(x, qkv_w)[:, 24:], 1e-3, 2**-10, f"linear_rope v, {rows} rows")
+    assert launched == [(n, r) for r in (1, 16) for n in ("skinny_matmul_silu_and_mul", "skinny_matmul_rope")]
