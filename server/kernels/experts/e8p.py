@@ -6,7 +6,7 @@ E8 + 1/4 or E8 - 1/4. `e8p3` adds an 8-bit code into a 256-point E8 codebook sca
 1/RESIDUAL_SCALE that quantizes what `e8p` left over.
 
 Everything here is plain torch: the definition of the formats. Kernels consume the
-packed table `abs_table_packed()`.
+packed words of `kernel_table()` and `residual_table_packed()`.
 """
 
 from __future__ import annotations
@@ -69,26 +69,26 @@ def abs_table_packed() -> torch.Tensor:
 
 @functools.cache
 def sign_table_packed() -> torch.Tensor:
-    """[256, 2] int32 kernel table per sign byte s: (negative-nibble mask, nibble base).
+    """[256] int32 kernel table per sign byte s: the shift parity and the negative coordinates in one word.
 
-    With p = popcount(s) & 1 and f = s ^ p (spec decode rule), word 0 has nibble k = 0xF where
-    bit k of f is set, word 1 holds 8 - p in every nibble (moe_triton._e8p_nibbles). One lookup
-    replaces the per-code parity and bit spreading (about 15 integer instructions per code).
+    With p = popcount(s) & 1 and f = s ^ p (spec decode rule), nibble k holds 0xE where bit k of f
+    is set (coordinate k negative; bits 1..3, so it masks 2·(2|x_k|)) and p in bit 0 of every
+    nibble (moe_triton._e8p_nibbles). One lookup replaces the per-code parity and bit spreading
+    (about 15 integer instructions per code); one word per code keeps it to one shared-memory or
+    L1 access.
     """
     s = torch.arange(256)
     p = _popcount8(s) & 1
     f = s ^ p
     bits = (f[:, None] >> torch.arange(8)) & 1
-    negative = (bits * 15 << (4 * torch.arange(8))).sum(1)
-    base = (8 - p) * 0x11111111
-    words = torch.stack([negative, base], 1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    word = (bits * 0xE << (4 * torch.arange(8))).sum(1) | p * 0x11111111
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
 @functools.cache
 def kernel_table() -> torch.Tensor:
-    """[768] int32: abs_table_packed() then sign_table_packed() flattened (the kernels' `table_ptr`)."""
-    return torch.cat([abs_table_packed(), sign_table_packed().reshape(-1)])
+    """[512] int32: abs_table_packed() then sign_table_packed() (the kernels' `table_ptr`)."""
+    return torch.cat([abs_table_packed(), sign_table_packed()])
 
 
 def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

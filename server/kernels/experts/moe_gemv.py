@@ -5,7 +5,9 @@ pairs to 16 rows and sends each dequantized tile through shared memory into the 
 at one token that round trip costs more than the multiply. `_expert_gemv` instead runs one
 program per (pair, block of output rows): it reads pair p's expert id straight from topk_ids
 (no padded blocks), decodes each code word with the same word-wide helpers as moe_triton.py,
-and multiplies on CUDA cores with the fields kept where they were decoded.
+and multiplies on CUDA cores with the fields kept where they were decoded. The E8 tables are
+held in registers and looked up through tl.gather, which Triton runs from shared memory: the
+same random per-lane lookups through L1 serialize on cache lines (spec "Kernels").
 
 Exactness and cost per weight: a B-bit field c (an E8 nibble or residual nibble, B = 4; a q
 code, B = 1 or 2) becomes the float32 1 + c/2^B with one shift and one LOP3 (its bits placed
@@ -25,7 +27,7 @@ import triton.language as tl
 
 from server.kernels.experts.e8p import RESIDUAL_SCALE
 from server.kernels.experts.moe_triton import (
-    E8P3, Q1_0, Q2_0, _e8p_nibbles, _residual_nibbles,
+    E8P3, Q1_0, Q2_0, _e8p_code_nibbles,
 )
 
 ONE_F32 = tl.constexpr(0x3F800000)  # bit pattern of 1.0f
@@ -85,7 +87,7 @@ def _shift_to(x, FROM: tl.constexpr, TO: tl.constexpr):
 
 @triton.jit
 def _q_tile_order(t, BITS: tl.constexpr):
-    """Tile position t of a q1_0/q2_0 field (as _row_sums joins them) -> its weight's offset in the K step.
+    """Tile position t of a q1_0/q2_0 field (as _q_row_sums joins them) -> its weight's offset in the K step.
 
     q2_0: t = (8w + j)·2 + h holds the field at bits 2(8h + j) of word w: weight 16w + 8h + j.
     q1_0: t = (8w + j)·4 + 2b + a holds group g = 2a + b, bit 8g + j of word w: weight 32w + 16a + 8b + j.
@@ -97,34 +99,65 @@ def _q_tile_order(t, BITS: tl.constexpr):
 
 
 @triton.jit
-def _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
-              FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Per-lane partial sums of a·(1 + c/2^B) for one K step of W[rows] -> [BLOCK_N, BLOCK_K] (and residual's).
+def _lookup(table, idx):
+    """table [S] (registers) at int32 indices idx [R, C] -> [R, C]: Triton's gather goes through shared
+    memory, where 32 lanes reading random words conflict on a few banks at most; the same lookups
+    through L1 cost a wavefront per distinct 128-byte line (up to 8 for 1 KiB), the serialization the
+    spec warns about ("Kernels")."""
+    return tl.reshape(tl.gather(table, tl.reshape(idx, (idx.shape[0] * idx.shape[1],)), 0), (idx.shape[0], idx.shape[1]))
 
-    q formats reduce per block in the caller, since d changes per block.
+
+@triton.jit
+def _lookup2(table, idx0, idx1):
+    """Two lookups of the same shape in one gather (one copy of the table into shared memory per step)."""
+    both = tl.reshape(tl.join(idx0, idx1), (idx0.shape[0] * idx0.shape[1] * 2,))
+    return tl.split(tl.reshape(tl.gather(table, both, 0), (idx0.shape[0], idx0.shape[1], 2)))
+
+
+@triton.jit
+def _q_row_sums(a, field_mask, w_e, k0, rows, K, stride_wn,
+                FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Per-lane products a·(1 + c/2^B) for one K step of q1_0/q2_0 W[rows] -> [BLOCK_N, BLOCK_K].
+
+    The caller reduces them per block, since d changes per block.
     """
-    if FORMAT == Q1_0 or FORMAT == Q2_0:
-        BITS: tl.constexpr = 1 if FORMAT == Q1_0 else 2
-        words = k0 * BITS // 32 + tl.arange(0, BLOCK_K * BITS // 32)
-        ptrs = w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + words[None, :]
-        if EVEN_K:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=(words < K * BITS // 32)[None, :], other=0)
-        if BITS == 2:  # tile order of the 16 fields of a word: see _q_tile_order
-            f = tl.join(_placed8(x, 2, 0), _placed8(x, 2, 16))
-        else:
-            f = tl.join(tl.join(_placed8(x, 1, 0), _placed8(x, 1, 8)), tl.join(_placed8(x, 1, 16), _placed8(x, 1, 24)))
-        s = (tl.reshape(f, (rows.shape[0], BLOCK_K)) & field_mask | ONE_F32).to(tl.float32, bitcast=True) * a[None, :]
-        return s, s  # (no residual; both branches return the same types for the compiler)
+    BITS: tl.constexpr = 1 if FORMAT == Q1_0 else 2
+    words = k0 * BITS // 32 + tl.arange(0, BLOCK_K * BITS // 32)
+    ptrs = w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + words[None, :]
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(words < K * BITS // 32)[None, :], other=0)
+    if BITS == 2:  # tile order of the 16 fields of a word: see _q_tile_order
+        f = tl.join(_placed8(x, 2, 0), _placed8(x, 2, 16))
+    else:
+        f = tl.join(tl.join(_placed8(x, 1, 0), _placed8(x, 1, 8)), tl.join(_placed8(x, 1, 16), _placed8(x, 1, 24)))
+    return (tl.reshape(f, (rows.shape[0], BLOCK_K)) & field_mask | ONE_F32).to(tl.float32, bitcast=True) * a[None, :]
+
+
+@triton.jit
+def _e8_row_sums(a, field_mask, w_e, aux_e, table, rtable, k0, rows, K, stride_wn, stride_xn,
+                 FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Per-lane products a·(1 + n/16) for one K step of E8 W[rows] -> [BLOCK_N, BLOCK_K] (and the residual's).
+
+    ``table`` / ``rtable``: e8p.kernel_table() / e8p.residual_table_packed() held in registers.
+    """
     g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     gmask = (g < K // 8)[None, :]
-    n = _e8p_nibbles(w_e + rows[:, None] * stride_wn + g[None, :], gmask, table_ptr, rows.shape[0], BLOCK_K, EVEN_K)
-    main = _one_plus_field(n, field_mask, 4) * a[None, :]
+    if EVEN_K:
+        c = tl.load(w_e + rows[:, None] * stride_wn + g[None, :]).to(tl.int32) & 0xFFFF
+    else:
+        c = tl.load(w_e + rows[:, None] * stride_wn + g[None, :], mask=gmask, other=0).to(tl.int32) & 0xFFFF
+    abs_word, sign_word = _lookup2(table, c >> 8, (c & 0xFF) + 256)
+    n = _placed8(_e8p_code_nibbles(abs_word, sign_word), 4, 0)
+    main = (n & field_mask | ONE_F32).to(tl.float32, bitcast=True) * a[None, :]
     if FORMAT == E8P3:
-        r = _residual_nibbles(aux_e + rows[:, None] * stride_xn + g[None, :], gmask, rtable_ptr, rows.shape[0],
-                              BLOCK_K, EVEN_K)
-        return main, _one_plus_field(r, field_mask, 4) * a[None, :]
+        if EVEN_K:
+            r = tl.load(aux_e + rows[:, None] * stride_xn + g[None, :]).to(tl.int32) & 0xFF
+        else:
+            r = tl.load(aux_e + rows[:, None] * stride_xn + g[None, :], mask=gmask, other=0).to(tl.int32) & 0xFF
+        m = _placed8(_lookup(rtable, r), 4, 0)
+        return main, (m & field_mask | ONE_F32).to(tl.float32, bitcast=True) * a[None, :]
     return main, main  # (no residual)
 
 
@@ -152,20 +185,21 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
                 a_blk = tl.load(a_sum_row_ptr + blk, mask=blk < K // QB, other=0.0)
                 d = tl.load(aux_e + rows[:, None] * stride_xn + blk[None, :], mask=(blk < K // QB)[None, :],
                             other=0.0).to(tl.float32)
-            s, _ = _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
-                             FORMAT, BLOCK_K, EVEN_K)
+            s = _q_row_sums(a, field_mask, w_e, k0, rows, K, stride_wn, FORMAT, BLOCK_K, EVEN_K)
             s_blk = tl.sum(tl.reshape(s, (BLOCK_N, NB, QB)), 2)
             acc += (4 * s_blk - 5 * a_blk[None, :]) * d
         return tl.sum(acc, 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_r = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    table = tl.load(table_ptr + tl.arange(0, 512))  # e8p.kernel_table(): abs words, then sign words
+    rtable = tl.load(rtable_ptr + tl.arange(0, 256))
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_row_ptr + k0 + offs_k).to(tl.float32)
         else:
             a = tl.load(a_row_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
-        s, s_r = _row_sums(a, field_mask, w_e, aux_e, table_ptr, rtable_ptr, k0, rows, K, stride_wn, stride_xn,
-                           FORMAT, BLOCK_K, EVEN_K)
+        s, s_r = _e8_row_sums(a, field_mask, w_e, aux_e, table, rtable, k0, rows, K, stride_wn, stride_xn,
+                              FORMAT, BLOCK_K, EVEN_K)
         acc += s
         if FORMAT == E8P3:
             acc_r += s_r

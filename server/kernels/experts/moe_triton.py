@@ -16,7 +16,8 @@ codes) turned into exact bf16/fp16 operands by an OR and a bitcast (`_dot`); the
 back to weights (4·w = 2n - 15, r, q levels), the 1/4, 1/2.04, d and the row scale are applied
 to the float32 accumulators with precomputed activation sums. So the only rounding besides
 the activations' own dtype is float32 accumulation, and a weight costs a shift and a mask.
-Codebook tables are 3 KiB of int32 words (e8p.kernel_table) read through L1, never constant memory.
+Codebook tables are 3 KiB of int32 words (e8p.kernel_table, residual table) read through L1 here, from
+shared memory in the GEMV body (moe_gemv.py), never constant memory.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ E8P3 = tl.constexpr(FORMAT_IDS["e8p3"])
 Q1_0 = tl.constexpr(FORMAT_IDS["q1_0"])
 Q2_0 = tl.constexpr(FORMAT_IDS["q2_0"])
 BF16 = tl.constexpr(FORMAT_IDS["bf16"])
+EIGHTS = tl.constexpr(0x88888888 - (1 << 32))  # 8 in every nibble, as a signed int32
 RESIDUAL_FACTOR = tl.constexpr(1.0 / (2.0 * RESIDUAL_SCALE))  # 2·r sums -> r / 2.04
 
 
@@ -90,21 +92,28 @@ def _fields4(x):
 def _e8p_nibbles(codes_ptrs, mask, table_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K / 8] codes -> [BLOCK_N, BLOCK_K] int32 tile of n = (4·w + 15) / 2 in [0, 15].
 
-    Per code (spec decode rule, on whole 32-bit words): 4·w_k = ±(4|x_k|) + (p ? -1 : +1), so
-    n_k = 7 + q ± 2|x_k| with q = 1 - p. ``table_ptr`` is e8p.kernel_table(): the abs word of
-    row c >> 8 holds 2|x_k| per nibble (bit 31: odd row), and the sign byte s = c & 0xFF indexes
-    (negative-nibble mask of s ^ p, 7 + q per nibble); an odd row flips nibble 7 of the mask.
-    Nibbles never carry (7 + q ± 2|x_k| stays in [0, 15]); per weight a shift and a mask remain.
+    ``table_ptr`` is e8p.kernel_table(), read through L1 (the GEMV body reads it from shared memory).
     """
     if EVEN_K:
         c = tl.load(codes_ptrs).to(tl.int32) & 0xFFFF
     else:
         c = tl.load(codes_ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    word = tl.load(table_ptr + (c >> 8))
-    sign_ptrs = table_ptr + 256 + 2 * (c & 0xFF)
-    negative = tl.load(sign_ptrs) ^ ((word >> 31) & -0x10000000)  # arithmetic shift: odd rows -> 0xF0000000
-    twice_abs = word & 0x77777777
-    return _fields8(tl.load(sign_ptrs + 1) + twice_abs - ((twice_abs & negative) << 1), 4)
+    return _fields8(_e8p_code_nibbles(tl.load(table_ptr + (c >> 8)), tl.load(table_ptr + 256 + (c & 0xFF))), 4)
+
+
+@triton.jit
+def _e8p_code_nibbles(abs_word, sign_word):
+    """The table words of a code (row c >> 8, sign byte c & 0xFF) -> its 8 nibbles n_k in one int32.
+
+    Per code (spec decode rule, on whole 32-bit words): 4·w_k = ±(4|x_k|) + (p ? -1 : +1), so
+    n_k = 8 - p ± 2|x_k|. The abs word holds t_k = 2|x_k| per nibble (bit 31: odd row), the sign
+    word 0xE in the nibbles of negative coordinates and p in bit 0 of every nibble
+    (e8p.sign_table_packed); an odd row flips nibble 7's sign. No nibble borrows: 8 + t_k <= 15 and
+    8 - p - t_k >= 0, so n = 0x88888888 + t - p·0x11111111 - 2·t·negative, word-wide.
+    """
+    sign_word = sign_word ^ ((abs_word >> 31) & -0x20000000)  # arithmetic shift: odd rows -> 0xE0000000
+    twice_abs = abs_word & 0x77777777
+    return twice_abs + EIGHTS - (sign_word & 0x11111111) - ((twice_abs << 1) & sign_word)
 
 
 @triton.jit

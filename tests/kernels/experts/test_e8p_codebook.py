@@ -5,7 +5,8 @@ import triton
 import triton.language as tl
 
 from server.kernels.experts import e8p
-from server.kernels.experts.moe_triton import _e8p_nibbles, _residual_nibbles
+from server.kernels.experts.moe_gemv import _lookup, _lookup2
+from server.kernels.experts.moe_triton import _e8p_code_nibbles, _e8p_nibbles, _fields8, _residual_nibbles
 
 
 def test_abs_table_row_counts_by_norm_match_spec():
@@ -66,6 +67,43 @@ def test_triton_decode_of_every_e8p_and_residual_code_matches_reference():
     assert torch.equal(out.reshape(-1, 8).float() / 4, e8p.decode(torch.arange(1 << 16)))
     want_r = e8p.residual_table()[torch.arange(1 << 16) % 256]
     assert torch.equal(rout.reshape(-1, 8).float() / 2, want_r)
+
+
+@triton.jit
+def _gathered_decode_kernel(codes_ptr, res_ptr, table_ptr, rtable_ptr, out_ptr, rout_ptr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMV body's decode: tables held in registers, looked up through tl.gather."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = rows[:, None] * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+    c = tl.load(codes_ptr + ptrs).to(tl.int32) & 0xFFFF
+    abs_word, sign_word = _lookup2(tl.load(table_ptr + tl.arange(0, 512)), c >> 8, (c & 0xFF) + 256)
+    w4 = _fields8(_e8p_code_nibbles(abs_word, sign_word), 4) * 2 - 15
+    r = tl.load(res_ptr + ptrs).to(tl.int32) & 0xFF
+    r2 = _fields8(_lookup(tl.load(rtable_ptr + tl.arange(0, 256)), r), 4) - 4
+    offs = rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(out_ptr + offs, w4)
+    tl.store(rout_ptr + offs, r2)
+
+
+def test_gathered_decode_of_every_e8p_and_residual_code_matches_reference():
+    codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).reshape(256, 256)
+    res = (torch.arange(1 << 16) % 256).to(torch.uint8).reshape(256, 256)
+    out = torch.empty((256, 256 * 8), dtype=torch.int32)
+    rout = torch.empty_like(out)
+    _gathered_decode_kernel[(16,)](codes, res, e8p.kernel_table(), e8p.residual_table_packed(), out, rout,
+                                   BLOCK_N=16, BLOCK_K=2048)
+    assert torch.equal(out.reshape(-1, 8).float() / 4, e8p.decode(torch.arange(1 << 16)))
+    assert torch.equal(rout.reshape(-1, 8).float() / 2, e8p.residual_table()[torch.arange(1 << 16) % 256])
+
+
+def test_sign_table_word_holds_parity_and_negative_nibbles():
+    """Independent of the kernels: bit 0 of every nibble is popcount(s) & 1, bits 1..3 are set exactly
+    where the spec's f = s ^ p has bit k (negative coordinate k)."""
+    for s, word in enumerate(e8p.sign_table_packed().tolist()):
+        p = bin(s).count("1") & 1
+        f = s ^ p
+        nibbles = [(word >> (4 * k)) & 0xF for k in range(8)]
+        assert nibbles == [(0xE if (f >> k) & 1 else 0) | p for k in range(8)], f"sign byte {s}"
 
 
 def test_encoder_agrees_with_brute_force_over_all_codewords():
