@@ -6,7 +6,10 @@ CI has no GPU, so this is where the Triton kernels meet bf16 and real sizes:
 2. kernel timings next to the obvious baselines: decode vs SDPA over contiguous K/V, prefill vs
    causal SDPA, and a bf16 GEMV (the floor under batch-1 decode of any engine using cuBLAS);
 3. the skinny decode matmul (server/kernels/gemv.py) at the Llama-3-8B projection shapes, M=1 and M=8:
-   bf16 error vs F.linear and time / TB/s next to F.linear.
+   bf16 error vs F.linear and time / TB/s next to F.linear; with SiLU*up / RoPE fused, vs the composition;
+   a small sweep of (BLOCK_N, BLOCK_K) at M=1 (prints; the defaults live in gemv._config);
+4. one Llama-3-8B-shaped decode step (b1, random weights) as a replayed CUDA graph, with programmatic
+   dependent launch (server/kernels/pdl.py) on and off: device time per step without host gaps.
 Exits non-zero when a correctness check fails.
 """
 
@@ -25,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import copy_bandwidth_gbs, require_gpu, rotation_count, time_ms  # noqa: E402
 from server.kernels.dense_attention import paged_attention, paged_decode, write_kv_pages  # noqa: E402
-from server.kernels.gemv import skinny_matmul  # noqa: E402
+from server.kernels import gemv, pdl  # noqa: E402
+from server.kernels.gemv import skinny_matmul, skinny_matmul_rope, skinny_matmul_silu_and_mul  # noqa: E402
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference  # noqa: E402
-from server.kernels.rmsnorm import rms_norm  # noqa: E402
+from server.kernels.rmsnorm import add_rms_norm, rms_norm  # noqa: E402
 from server.kernels.rotary import apply_rotary  # noqa: E402
 from server.kernels.swiglu import silu_and_mul  # noqa: E402
 
@@ -103,6 +107,12 @@ def check_fused_ops(device) -> None:
     torch.nn.init.normal_(norm.weight)
     ref = norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
     check("rms_norm bf16", rms_norm(x, norm.weight, 1e-5), ref, 1e-2, 1 / 64)
+    res = torch.randn_like(x)
+    summed = x + res
+    ref = norm.weight * (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    fused, fused_sum = add_rms_norm(x, res, norm.weight, 1e-5)
+    check("add_rms_norm bf16 (sum)", fused_sum, summed, 0.0)
+    check("add_rms_norm bf16 (normed)", fused, ref, 1e-2, 1 / 64)
     rotary = RotaryEmbedding(128, 500000.0, None, 8192).to(device)
     qkv = torch.randn(33, 48 * 128, device=device, dtype=torch.bfloat16)
     q, k = qkv[:, : 32 * 128].view(33, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(33, 8, 128)
@@ -162,6 +172,25 @@ def check_graph_replay(device) -> None:
     torch.cuda.empty_cache()
 
 
+def check_fused_gemv(device) -> None:
+    from server.runtime.models.rope import RotaryEmbedding
+
+    rotary = RotaryEmbedding(128, 500000.0, None, 8192).to(device)
+    w = torch.randn(6144, 4096, device=device, dtype=torch.bfloat16) * 4096**-0.5
+    gate_up = torch.randn(28672, 4096, device=device, dtype=torch.bfloat16) * 4096**-0.5 * 3
+    for rows in (1, 8):
+        x = torch.randn(rows, 4096, device=device, dtype=torch.bfloat16)
+        pos = torch.randint(0, 8192, (rows,), device=device)
+        q, k, v = F.linear(x, w).split([4096, 1024, 1024], -1)
+        rq, rk = rotary(pos, q.reshape(rows, 32, 128), k.reshape(rows, 8, 128))  # the unfused Triton rotary
+        composed = torch.cat((rq.flatten(1), rk.flatten(1), v), 1)
+        fused = skinny_matmul_rope(x, w, None, pos, rotary.inv_freq, 1.0, 40, 128)
+        check(f"qkv + RoPE fused bf16 M={rows} vs F.linear + rotary", fused, composed, 2e-2, 1 / 32)
+        g, u = F.linear(x, gate_up).chunk(2, -1)
+        check(f"gate_up + SiLU*up fused bf16 M={rows} vs F.linear + silu_and_mul",
+              skinny_matmul_silu_and_mul(x, gate_up), silu_and_mul(torch.cat((g, u), -1)), 2e-2, 1 / 32)
+
+
 def check_gemv(device) -> None:
     for name, (n, k) in GEMV_SHAPES.items():
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5  # outputs ~ N(0, 1)
@@ -188,6 +217,88 @@ def gemv_timings(device, copy_gbs: float) -> None:
                   f"{2 * n * k / ours / 1e6 / copy_gbs:.0%} of copy); F.linear {cublas * 1e3:.1f} us "
                   f"({2 * n * k / cublas / 1e9:.2f} TB/s)", flush=True)  # fmt: skip
         del weights
+
+
+# Projections as a decode step runs them: (name, N, K, epilogue).
+FUSED_SHAPES = [("qkv+rope", 6144, 4096, "rope"), ("o", 4096, 4096, "none"), ("gate_up+silu", 28672, 4096, "silu_and_mul"),
+                ("down", 4096, 14336, "none")]  # fmt: skip
+
+
+def _fused_call(x, w, epilogue, pos, inv_freq):
+    if epilogue == "rope":
+        return skinny_matmul_rope(x, w, None, pos, inv_freq, 1.0, 40, 128)
+    if epilogue == "silu_and_mul":
+        return skinny_matmul_silu_and_mul(x, w)
+    return skinny_matmul(x, w)
+
+
+def gemv_sweep(device, copy_gbs: float) -> None:
+    """M=1 time of each decode projection (fused epilogues as the model runs them) per (BLOCK_N, BLOCK_K)."""
+    default = gemv._config
+    x = torch.randn(1, 14336, device=device, dtype=torch.bfloat16)
+    pos = torch.tensor([100], device=device)
+    inv_freq = torch.rand(64, device=device)
+    print(f"\nskinny matmul M=1 sweep (BLOCK_N per program: rows, or pairs when fused), copy {copy_gbs:.0f} GB/s")
+    for name, n, k, epilogue in FUSED_SHAPES:
+        copies = rotation_count(2 * n * k, device, limit=4)
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        xs = x[:, :k]
+        results = []
+        for block_n, block_k in [None, (4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]:
+            cfg = default(1, n, k, epilogue != "none") if block_n is None else (1, block_n, block_k)
+            gemv._config = lambda *_, cfg=cfg: cfg
+            try:
+                t = time_ms(lambda i: _fused_call(xs, weights[i], epilogue, pos, inv_freq), n_inputs=copies, iters=50,
+                            device=device)  # fmt: skip
+                results.append(f"{cfg[1]}x{cfg[2]}{' (default)' if block_n is None else ''} {t * 1e3:.1f} us "
+                               f"({2 * n * k / t / 1e6 / copy_gbs:.0%})")  # fmt: skip
+            except Exception as exc:  # e.g. out of registers: report, try the next
+                results.append(f"{cfg[1]}x{cfg[2]} failed {type(exc).__name__}")
+            finally:
+                gemv._config = default
+        print(f"{name} {n}x{k}: " + "; ".join(results), flush=True)
+        del weights
+
+
+def decode_step_timings(device, copy_gbs: float) -> None:
+    """A Llama-3-8B-shaped batch-1 decode forward (no LM head) replayed as a CUDA graph, PDL on and off."""
+    import os
+
+    from bench.e2e import SHAPES, build_random_model, weight_bytes_per_decode_step
+    from server.kernels.paged_kv import DenseKVStore
+    from server.runtime.cuda_graphs import DecodeGraphs
+
+    cfg = SHAPES["llama3-8b"]
+    loaded = build_random_model(cfg, device, torch.bfloat16)
+    lm_head = loaded.model.lm_head.weight.numel() * 2
+    layer_bytes = weight_bytes_per_decode_step(loaded.model, cfg) - lm_head
+    stores = [DenseKVStore(32, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, device) for _ in range(cfg.num_layers)]
+    for s in stores:
+        s.k_pages.normal_()
+        s.v_pages.normal_()
+    seq_len = 300
+    table = torch.arange(32, dtype=torch.int32, device=device)[None]
+    meta = AttentionMetadata(torch.tensor([seq_len - 1], device=device), table,
+                             torch.tensor([seq_len], dtype=torch.int32, device=device),
+                             torch.tensor([0, 1], dtype=torch.int32, device=device), [seq_len], [1])  # fmt: skip
+    ids, positions = torch.tensor([7], device=device), torch.tensor([seq_len - 1], device=device)
+    outputs = {}
+    for setting in ("1", "0"):
+        os.environ["TURBOSERVE_PDL"] = setting
+        pdl._supported.cache_clear()
+        graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, device)
+        graphs.capture()
+        outputs[setting] = graphs.run(ids, positions, meta).clone()
+        ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
+        print(f"8B decode forward b1 graph replay, PDL {'on' if setting == '1' else 'off'}: {ms * 1e3:.0f} us/step "
+              f"({layer_bytes / ms / 1e6:.0f} GB/s of weights without the LM head, {layer_bytes / ms / 1e6 / copy_gbs:.0%} "
+              f"of copy); LM head adds one {lm_head / 1e6:.0f} MB GEMV", flush=True)  # fmt: skip
+        del graphs
+    os.environ.pop("TURBOSERVE_PDL")
+    pdl._supported.cache_clear()
+    check("8B decode forward, PDL on vs off (same kernels, other launch)", outputs["1"], outputs["0"], 0.0)
+    del loaded, stores
+    torch.cuda.empty_cache()
 
 
 def kernel_timings(device, copy_gbs: float) -> None:
@@ -225,10 +336,13 @@ def kernel_timings(device, copy_gbs: float) -> None:
 
 
 def main() -> int:
+    # --no-attention-timings: the kernels' correctness and the dense-layer timings only (saves device time).
+    attention_timings = "--no-attention-timings" not in sys.argv[1:]
     device = require_gpu()
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    for section in (check_attention, check_fused_ops, check_gemv, check_graph_replay):
+    print(f"programmatic dependent launch: {pdl.launch_options(device)}", flush=True)
+    for section in (check_attention, check_fused_ops, check_fused_gemv, check_gemv, check_graph_replay):
         try:
             section(device)
         except Exception:  # report and go on: one GPU run has to tell us everything it can
@@ -236,12 +350,14 @@ def main() -> int:
             failures.append(section.__name__ + " raised")
     print(f"correctness checks: {len(failures)} failed {failures} ({time.perf_counter() - t0:.0f} s)", flush=True)
     copy_gbs = copy_bandwidth_gbs(device)
-    kernel_timings(device, copy_gbs)
-    try:
-        gemv_timings(device, copy_gbs)
-    except Exception:  # the timings above still stand; the failure is reported and fails the run
-        traceback.print_exc()
-        failures.append("gemv_timings raised")
+    if attention_timings:
+        kernel_timings(device, copy_gbs)
+    for timings in (gemv_timings, gemv_sweep, decode_step_timings):
+        try:
+            timings(device, copy_gbs)
+        except Exception:  # the timings above still stand; the failure is reported and fails the run
+            traceback.print_exc()
+            failures.append(f"{timings.__name__} raised")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 1 if failures else 0
 

@@ -38,6 +38,8 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from server.kernels import pdl
+from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.backend import use_triton
 
 log = logging.getLogger(__name__)
@@ -65,18 +67,40 @@ def _rope_pair_rows(j, N, ROTATED: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def _load_w(ptrs, cols, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=(cols < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _load_x(ptrs, m_mask, cols, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        x = tl.load(ptrs, mask=m_mask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     if BLOCK_M == 1:
-        return acc + w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcasts over the rows
-    return tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        acc += w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcasts over the rows
+    else:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 @triton.jit
 def _reduced(acc, BLOCK_M: tl.constexpr):
     """[BLOCK_N, BLOCK_M] float32 results of an accumulator."""
     if BLOCK_M == 1:
-        return tl.sum(acc, axis=1)[:, None]
-    return acc
+        out = tl.sum(acc, axis=1)[:, None]
+    else:
+        out = acc
+    return out
 
 
 @triton.jit
@@ -84,7 +108,7 @@ def _skinny_matmul_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_freq_ptr, rope_scaling, M, N, K, stride_xm, stride_wn, stride_ym,
     EPILOGUE: tl.constexpr, ROTATED: tl.constexpr, HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # j: this program's outputs (rows of W, or pairs of rows when an epilogue is fused).
     j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,24 +132,27 @@ def _skinny_matmul_kernel(
     else:
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_b = tl.zeros_like(acc_a)  # loop-carried but untouched without an epilogue: the compiler drops it
+    # The first K tile of W depends on no earlier kernel: under PDL it streams while that kernel finishes.
+    if USE_PDL:
+        gdc_launch_dependents()
+    cols = tl.arange(0, BLOCK_K)
+    wa = _load_w(w_ptr + wa_rows[:, None] + cols[None, :], cols, K, EVEN_K)
+    if EPILOGUE != "none":
+        wb = _load_w(w_ptr + wb_rows[:, None] + cols[None, :], cols, K, EVEN_K)
+    if USE_PDL:
+        gdc_wait()  # x is the previous kernel's output
+    x = _load_x(x_ptr + m[:, None] * stride_xm + cols[None, :], m_mask, cols, K, EVEN_K)
+    acc_a = _accumulate(acc_a, wa, x, BLOCK_M, INPUT_PRECISION)
+    if EPILOGUE != "none":
+        acc_b = _accumulate(acc_b, wb, x, BLOCK_M, INPUT_PRECISION)
     # An explicit stage count: Triton pipelines (cp.async) loops without a tl.dot only when asked.
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + m[:, None] * stride_xm + cols[None, :]
-        wa_ptrs = w_ptr + wa_rows[:, None] + cols[None, :]
-        wb_ptrs = w_ptr + wb_rows[:, None] + cols[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            wa = tl.load(wa_ptrs)
-            if EPILOGUE != "none":
-                wb = tl.load(wb_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)
-            wa = tl.load(wa_ptrs, mask=(cols < K)[None, :], other=0.0)
-            if EPILOGUE != "none":
-                wb = tl.load(wb_ptrs, mask=(cols < K)[None, :], other=0.0)
+        x = _load_x(x_ptr + m[:, None] * stride_xm + cols[None, :], m_mask, cols, K, EVEN_K)
+        wa = _load_w(w_ptr + wa_rows[:, None] + cols[None, :], cols, K, EVEN_K)
         acc_a = _accumulate(acc_a, wa, x, BLOCK_M, INPUT_PRECISION)
         if EPILOGUE != "none":
+            wb = _load_w(w_ptr + wb_rows[:, None] + cols[None, :], cols, K, EVEN_K)
             acc_b = _accumulate(acc_b, wb, x, BLOCK_M, INPUT_PRECISION)
     out_ty = y_ptr.dtype.element_ty
     mask = (j < num_out)[:, None] & m_mask[None, :]
@@ -204,7 +231,7 @@ def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_fre
         EPILOGUE=epilogue, ROTATED=rotated, HALF=half,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
-        STAGES=3 if block_m == 1 else 4, num_warps=4,
+        STAGES=3 if block_m == 1 else 4, num_warps=4, **pdl.launch_options(x.device),
     )  # fmt: skip
     return y
 

@@ -15,17 +15,24 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels import pdl
+from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.timing import timed
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, stride_out, stride_sum, eps,
-    DIM: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < DIM
+    if USE_PDL:  # server/kernels/pdl.py: let the next projection start streaming its weights now
+        gdc_launch_dependents()
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:  # the residual stream is stored in the activation dtype: round the sum as the add kernel would
         x += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -34,7 +41,6 @@ def _rms_norm_kernel(
         x = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
     normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -83,4 +89,5 @@ def _launch(rows, residual, weight, out, summed, eps: float, add: bool) -> None:
     _rms_norm_kernel[(rows.shape[0],)](
         rows, residual, weight, out, summed, rows.stride(0), residual.stride(0), out.stride(0), summed.stride(0), eps,
         DIM=dim, BLOCK=triton.next_power_of_2(dim), ADD=add, num_warps=4 if dim <= 4096 else 8,
+        **pdl.launch_options(rows.device),
     )  # fmt: skip
