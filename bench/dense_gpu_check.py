@@ -257,6 +257,14 @@ def gemv_sweep(device, copy_gbs: float) -> None:
             finally:
                 gemv._config = default
         print(f"{name} {n}x{k}: " + "; ".join(results), flush=True)
+        x8, pos8 = torch.randn(8, k, device=device, dtype=torch.bfloat16), pos.expand(8).contiguous()
+        ours = time_ms(lambda i: _fused_call(x8, weights[i], epilogue, pos8, inv_freq), n_inputs=copies, iters=50,
+                       device=device)  # fmt: skip
+        unfused = {"rope": lambda y: apply_rotary(pos8, y[:, :4096].view(8, 32, 128), y[:, 4096:5120].view(8, 8, 128),
+                                                  inv_freq, 1.0),
+                   "silu_and_mul": silu_and_mul, "none": lambda y: y}[epilogue]  # fmt: skip
+        cublas = time_ms(lambda i: unfused(F.linear(x8, weights[i])), n_inputs=copies, iters=50, device=device)
+        print(f"{name} {n}x{k} M=8: ours {ours * 1e3:.1f} us, F.linear + separate op {cublas * 1e3:.1f} us", flush=True)
         del weights
 
 
