@@ -5,12 +5,12 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     program, so GQA shares a single read of the pages;
   * Q is rotated once in the program (and pre-scaled by softmax scale * log2 e);
     scores = norm_k * <R q, c[idx_k]>; V is accumulated in the rotated domain as
-    sum_j p_j * norm_v * c[idx_v] with an online softmax; centroids come from the
-    codebook's odd polynomial (codes.centroid_by_polynomial), not a chain of selects;
-  * codes are read as 32-bit words and split into fields inside the loading thread
-    (codes.load_indices); with fp16/bf16 queries (the GPU case) the centroids, Q
-    and P are fp16 mma operands (two values per HFMA2, fp32 accumulation), with fp32
-    queries (CPU tests) everything stays fp32;
+    sum_j p_j * norm_v * c[idx_v] with an online softmax;
+  * codes are read as 32-bit words and decoded inside the loading thread
+    (codes.decode_rows): with fp16/bf16 queries (the GPU case) by a byte-permute lookup
+    of fp16 centroids (about one PRMT per value), and Q, K, P, V are fp16 mma operands
+    with fp32 accumulation; with fp32 queries (CPU tests) indices and the codebook's odd
+    polynomial in fp32;
   * a second small kernel merges the splits (log-sum-exp) and applies the one inverse
     rotation per output.
 
@@ -33,7 +33,7 @@ from server.kernels.dense_attention import paged_attention as dense_paged_attent
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
 from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
-from server.kernels.turbo.codes import centroid_by_polynomial, load_indices
+from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.quantize import TurboPages
 
@@ -44,12 +44,24 @@ PROGRAMS_PER_SM = 4  # enough programs in flight to hide memory latency
 
 
 @triton.jit
+def _centroids(row_ptrs, valid, table_ptr, poly_ptr, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+               F16: tl.constexpr, ASM: tl.constexpr):
+    """The rows' centroids [BLOCK, D]: fp16 by lookup (F16), float32 by the odd polynomial."""
+    if F16:
+        c = decode_rows(row_ptrs, valid, table_ptr, BLOCK, D, BITS, True, ASM)
+    else:
+        c = centroid_by_polynomial(decode_rows(row_ptrs, valid, table_ptr, BLOCK, D, BITS, False), poly_ptr, BITS)
+    return c
+
+
+@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
-                   k_codes, k_norms, k_poly, v_codes, v_norms, v_poly, first_ptr, second_ptr, inv_sqrt,
+                   k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
+                   inv_sqrt,
                    qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
                    H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
-                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr):
+                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -78,9 +90,8 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
             norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
 
-            k_idx2 = load_indices(k_codes + row * (D * K_BITS // 8), valid, BLOCK, D, K_BITS, 1)
             k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            k = centroid_by_polynomial(k_idx2, k_poly, K_BITS, OP)
+            k = _centroids(k_codes + row * (D * K_BITS // 8), valid, k_table, k_poly, BLOCK, D, K_BITS, F16, ASM)
             # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
             # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
             # (SASS main loop 1670 -> 1439 instructions at 64 tokens / 4 warps).
@@ -96,9 +107,8 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
 
-            v_idx2 = load_indices(v_codes + row * (D * V_BITS // 8), valid, BLOCK, D, V_BITS, 1)
             v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = centroid_by_polynomial(v_idx2, v_poly, V_BITS, OP)
+            v = _centroids(v_codes + row * (D * V_BITS // 8), valid, v_table, v_poly, BLOCK, D, V_BITS, F16, ASM)
             if NG == 1:  # fold the value norms into the probabilities
                 acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans((p * tl.reshape(v_norm, (BLOCK,))[None, :]).to(OP))))
             else:
@@ -188,10 +198,12 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         _decode_kernel[(num_seqs, kv_heads, num_splits)](
             q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
-            v_pages.codes, v_pages.norms, v_pages.polynomial, signs[0], signs[1], inv_sqrt,
+            lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
+            lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
             scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
-            F16=q.dtype != torch.float32, num_warps=num_warps,
+            F16=q.dtype != torch.float32, ASM=q.device.type == "cuda" and torch.version.cuda is not None,
+            num_warps=num_warps,
             **shape,
         )
         _merge_kernel[(num_seqs, kv_heads)](

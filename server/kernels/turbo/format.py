@@ -6,12 +6,18 @@ Per token and KV head (specs/turboquant.md, "Groups" .. "Storage per group"):
     nearest centroid of codebook(bits, G) (ties to the upper index); the stored norm is
     n / ||c|| so the reconstruction keeps the input's length (fp16, round to nearest).
 
-Byte layout of one token's indices for one head (a "row", D * bits / 8 bytes), chosen so
-a kernel unpacks a whole row of every token with shifts and masks in registers:
-  * turbo4: byte j = idx[2j] | idx[2j+1] << 4 (even element in the low nibble);
-  * turbo2: byte j = idx[4j] | idx[4j+1] << 2 | idx[4j+2] << 4 | idx[4j+3] << 6;
-  * turbo3: two bit planes. Bytes [0, D/4): the low two bits of every element, laid out
-    like turbo2. Bytes [D/4, 3D/8): the third bit, byte m bit i = bit 2 of idx[8m + i].
+Byte layout of one token's indices for one head (a "row", D * bits / 8 bytes): little-endian
+32-bit words, each holding the next 32 / width values of a bit plane, and inside every word
+nibble k (bits 4k..4k+3) holds the word's values k, k + 8, k + 16, k + 24 (as many as fit,
+``width`` bits each, the first lowest):
+  * turbo4 (width 4): nibble k = value k, i.e. byte j = idx[2j] | idx[2j+1] << 4;
+  * turbo2 (width 2): nibble k = value k | value k + 8 << 2;
+  * turbo3: two bit planes. Bytes [0, D/4): the low two bits of every value, laid out like
+    turbo2. Bytes [D/4, 3D/8): the third bit (width 1), bit 4k + j of word c = bit 2 of value
+    32c + 8j + k.
+Why: the decode kernel turns a row into 4-bit PRMT selectors of 8 consecutive values with
+one mask (and at most a shift) per plane (codes.decode_rows), and the looked-up fp16 pairs
+are consecutive values, ready to store as they come.
 Norms live apart from the indices (fp16, one per group). For D = 128 a turbo3 row is 48
 bytes: both planes start on 16-byte boundaries.
 """
@@ -81,18 +87,21 @@ class RowLayout:
 
 
 def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack consecutive ``width``-bit fields of the last dim into bytes, first field lowest."""
-    per_byte = 8 // width
-    f = fields.to(torch.int32).reshape(*fields.shape[:-1], -1, per_byte)
-    shifts = torch.arange(per_byte, device=fields.device, dtype=torch.int32) * width
-    return (f << shifts).sum(-1).to(torch.uint8)
+    """Pack the values of the last dim into 32-bit words of ``width``-bit fields (the layout above) as bytes."""
+    per_word = 32 // width
+    f = fields.to(torch.int64).reshape(*fields.shape[:-1], -1, per_word // 8, 8)  # [..., word, field, nibble]
+    shifts = 4 * torch.arange(8, device=fields.device) + width * torch.arange(per_word // 8, device=fields.device)[:, None]
+    words = (f << shifts).sum((-1, -2))
+    return ((words[..., None] >> (8 * torch.arange(4, device=fields.device))) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def _unpack_fields(packed: torch.Tensor, width: int) -> torch.Tensor:
-    per_byte = 8 // width
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * width
-    f = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << width) - 1)
-    return f.reshape(*packed.shape[:-1], -1)
+    per_word = 32 // width
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, 4)
+    words = (b << (8 * torch.arange(4, device=packed.device))).sum(-1)
+    shifts = 4 * torch.arange(8, device=packed.device) + width * torch.arange(per_word // 8, device=packed.device)[:, None]
+    f = (words[..., None, None] >> shifts) & ((1 << width) - 1)
+    return f.reshape(*packed.shape[:-1], -1).to(torch.int32)
 
 
 def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:

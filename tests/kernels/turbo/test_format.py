@@ -42,15 +42,19 @@ def test_packing_round_trips_every_value_at_every_position(bits, head_dim):
 
 
 def test_byte_layout_is_the_documented_one():
+    """Little-endian 32-bit words; value 8f + k of a word sits in nibble k, field f (width bits each)."""
     idx = torch.zeros(1, 128, dtype=torch.int32)
     idx[0, 0], idx[0, 1], idx[0, 3] = 1, 2, 3
-    assert pack_indices(idx, 4)[0, 0].item() == 0x21  # even element in the low nibble
-    assert pack_indices(idx, 2)[0, 0].item() == 0b11_00_10_01  # element 4j+i at bits 2i
+    assert pack_indices(idx, 4)[0, :2].tolist() == [0x21, 0x30]  # even element in the low nibble
+    idx[0, 8] = 3  # turbo2: value 8 of word 0 -> nibble 0, bits 2-3
+    assert pack_indices(idx, 2)[0, :2].tolist() == [0b10_11_01, 0b11_0000]
     idx = torch.zeros(1, 128, dtype=torch.int32)
-    idx[0, 9] = 5  # low bits 01 in plane one, bit 2 in plane two (byte 32 + 1, bit 1)
+    idx[0, 9] = 5  # low bits 01: word 0, nibble 1, field 1 (bit 6); bit 2: plane two, nibble 1, field 1 (bit 5)
+    idx[0, 58] = 4  # bit 2 only: plane two word 1 (bytes 36-39), its value 26 = 8 * 3 + 2 -> bit 4 * 2 + 3
     row = pack_indices(idx, 3)[0]
-    assert row.shape == (48,) and row[2].item() == 0b0100 and row[33].item() == 0b10
-    assert int(row.sum()) == 0b0100 + 0b10
+    assert row.shape == (48,) and row[0].item() == 1 << 6 and row[32].item() == 1 << 5
+    assert row[37].item() == 1 << 3
+    assert int(row.sum()) == (1 << 6) + (1 << 5) + (1 << 3)
 
 
 @pytest.mark.parametrize("kind,bound", [("turbo2", 0.120), ("turbo3", 0.0345), ("turbo4", 0.0096)])
