@@ -232,30 +232,40 @@ def _fused_call(x, w, epilogue, pos, inv_freq):
     return skinny_matmul(x, w)
 
 
+# (weight rows per program, BLOCK_K, STAGES); a paired (fused) program holds half the rows' pairs. Each one
+# compiled for sm_90 offline without spills (<= 128 registers: 4 programs per SM).
+SWEEP = [(4, 1024, 3), (8, 512, 4), (16, 256, 4), (16, 512, 3), (32, 256, 3), (32, 128, 5)]
+best_configs: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}  # (N, K, paired) -> fastest at M=1
+
+
 def gemv_sweep(device, copy_gbs: float) -> None:
-    """M=1 time of each decode projection (fused epilogues as the model runs them) per (BLOCK_N, BLOCK_K)."""
+    """M=1 time of each decode projection (fused epilogues as the model runs them) per (BLOCK_N, BLOCK_K, STAGES);
+    BLOCK_N counts pairs of rows when an epilogue is fused."""
     default = gemv._config
     x = torch.randn(1, 14336, device=device, dtype=torch.bfloat16)
     pos = torch.tensor([100], device=device)
     inv_freq = torch.rand(64, device=device)
-    print(f"\nskinny matmul M=1 sweep (BLOCK_N per program: rows, or pairs when fused), copy {copy_gbs:.0f} GB/s")
+    print(f"\nskinny matmul M=1 sweep: BLOCK_N x BLOCK_K / stages, time (of copy {copy_gbs:.0f} GB/s)")
     for name, n, k, epilogue in FUSED_SHAPES:
+        paired = epilogue != "none"
         copies = rotation_count(2 * n * k, device, limit=4)
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
         xs = x[:, :k]
-        results = []
-        for block_n, block_k in [None, (4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]:
-            cfg = default(1, n, k, epilogue != "none") if block_n is None else (1, block_n, block_k)
+        results, timed_configs = [], []
+        candidates = [(1, rows // 2 if paired else rows, block_k, stages) for rows, block_k, stages in SWEEP]
+        for cfg in [default(1, n, k, paired)] + candidates:
             gemv._config = lambda *_, cfg=cfg: cfg
             try:
                 t = time_ms(lambda i: _fused_call(xs, weights[i], epilogue, pos, inv_freq), n_inputs=copies, iters=50,
                             device=device)  # fmt: skip
-                results.append(f"{cfg[1]}x{cfg[2]}{' (default)' if block_n is None else ''} {t * 1e3:.1f} us "
+                timed_configs.append((t, cfg))
+                results.append(f"{cfg[1]}x{cfg[2]}/{cfg[3]}{' (default)' if not results else ''} {t * 1e3:.1f} us "
                                f"({2 * n * k / t / 1e6 / copy_gbs:.0%})")  # fmt: skip
             except Exception as exc:  # e.g. out of registers: report, try the next
-                results.append(f"{cfg[1]}x{cfg[2]} failed {type(exc).__name__}")
+                results.append(f"{cfg[1]}x{cfg[2]}/{cfg[3]} failed {type(exc).__name__}")
             finally:
                 gemv._config = default
+        best_configs[(n, k, paired)] = min(timed_configs)[1]
         print(f"{name} {n}x{k}: " + "; ".join(results), flush=True)
         x8, pos8 = torch.randn(8, k, device=device, dtype=torch.bfloat16), pos.expand(8).contiguous()
         ours = time_ms(lambda i: _fused_call(x8, weights[i], epilogue, pos8, inv_freq), n_inputs=copies, iters=50,
@@ -291,20 +301,32 @@ def decode_step_timings(device, copy_gbs: float) -> None:
                              torch.tensor([0, 1], dtype=torch.int32, device=device), [seq_len], [1])  # fmt: skip
     ids, positions = torch.tensor([7], device=device), torch.tensor([seq_len - 1], device=device)
     outputs = {}
-    for setting in ("1", "0"):
+    default = gemv._config
+
+    def swept(rows, n, k, paired=False):  # the sweep's fastest M=1 configuration where it measured one
+        return best_configs.get((n, k, paired), default(rows, n, k, paired)) if rows == 1 else default(rows, n, k, paired)
+
+    for setting, configs in (("1", "default"), ("0", "default"), ("1", "swept")):
         os.environ["TURBOSERVE_PDL"] = setting
         pdl._supported.cache_clear()
-        graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, device)
-        graphs.capture()
-        outputs[setting] = graphs.run(ids, positions, meta).clone()
-        ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
-        print(f"8B decode forward b1 graph replay, PDL {'on' if setting == '1' else 'off'}: {ms * 1e3:.0f} us/step "
-              f"({layer_bytes / ms / 1e6:.0f} GB/s of weights without the LM head, {layer_bytes / ms / 1e6 / copy_gbs:.0%} "
-              f"of copy); LM head adds one {lm_head / 1e6:.0f} MB GEMV", flush=True)  # fmt: skip
+        gemv._config = swept if configs == "swept" else default
+        try:
+            graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, device)
+            graphs.capture()
+            outputs[setting + configs] = graphs.run(ids, positions, meta).clone()
+            ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
+        finally:
+            gemv._config = default
+        print(f"8B decode forward b1 graph replay, PDL {'on' if setting == '1' else 'off'}, {configs} configs: "
+              f"{ms * 1e3:.0f} us/step ({layer_bytes / ms / 1e6:.0f} GB/s of weights without the LM head, "
+              f"{layer_bytes / ms / 1e6 / copy_gbs:.0%} of copy); LM head adds one {lm_head / 1e6:.0f} MB GEMV",
+              flush=True)  # fmt: skip
         del graphs
+    if best_configs:
+        print("swept M=1 configs (N, K, paired) -> (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): " + str(best_configs))
     os.environ.pop("TURBOSERVE_PDL")
     pdl._supported.cache_clear()
-    check("8B decode forward, PDL on vs off (same kernels, other launch)", outputs["1"], outputs["0"], 0.0)
+    check("8B decode forward, PDL on vs off (same kernels, other launch)", outputs["1default"], outputs["0default"], 0.0)
     del loaded, stores
     torch.cuda.empty_cache()
 

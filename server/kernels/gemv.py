@@ -183,8 +183,8 @@ def _skinny_matmul_kernel(
             tl.store(y_ptr + m[None, :] * stride_ym + rows_b[:, None], yb.to(out_ty), mask=mask)
 
 
-def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for a shape: BLOCK_N as large as keeps ~PROGRAMS_TARGET programs.
+def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES) for a shape: BLOCK_N as large as keeps ~PROGRAMS_TARGET programs.
     Paired programs own BLOCK_N pairs: the same rows per program as unpaired, in two tiles."""
     slab = triton.next_power_of_2(max(1, n // PROGRAMS_TARGET))
     if rows == 1:
@@ -196,7 +196,7 @@ def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, 
         block_n //= 2
         tile //= 2
     block_k = max(16, min(tile // block_n, triton.next_power_of_2(k)))
-    return block_m, block_n, block_k
+    return block_m, block_n, block_k, 3 if rows == 1 else 4
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
@@ -221,7 +221,7 @@ def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_fre
             rotated=0, half=1) -> torch.Tensor:  # fmt: skip
     rows, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, block_k = _config(rows, n, k, paired=epilogue != "none")
+    block_m, block_n, block_k, stages = _config(rows, n, k, paired=epilogue != "none")
     y = torch.empty((rows, out_width), dtype=x.dtype, device=x.device)
     unused = weight  # any pointer for arguments the epilogue does not read
     _skinny_matmul_kernel[(triton.cdiv(n if epilogue == "none" else n // 2, block_n),)](
@@ -231,7 +231,7 @@ def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_fre
         EPILOGUE=epilogue, ROTATED=rotated, HALF=half,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
-        STAGES=3 if block_m == 1 else 4, num_warps=4, **pdl.launch_options(x.device),
+        STAGES=stages, num_warps=4, **pdl.launch_options(x.device),
     )  # fmt: skip
     return y
 
