@@ -81,7 +81,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         q = (tl.reshape(q, (GQA_PAD, D)) * qk_scale).to(OP)
 
         m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
-        l = tl.zeros((GQA_PAD,), tl.float32)
+        l = tl.zeros((GQA_PAD, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
         acc = tl.zeros((GQA_PAD, D), tl.float32)
         for t0 in range(start, end, BLOCK):
             tok = t0 + tl.arange(0, BLOCK)
@@ -105,7 +105,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
+            l = l * alpha[:, None] + p
 
             v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
             v = _centroids(v_codes + row * (D * V_BITS // 8), valid, v_table, v_poly, BLOCK, D, V_BITS, F16, ASM)
@@ -119,7 +119,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         part = (seq * (H_KV * GQA) + heads) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
         tl.store(part_m_ptr + part, m, mask=g < GQA)
-        tl.store(part_l_ptr + part, l, mask=g < GQA)
+        tl.store(part_l_ptr + part, tl.sum(l, axis=1), mask=g < GQA)
 
 
 @triton.jit

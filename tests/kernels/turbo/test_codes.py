@@ -72,3 +72,14 @@ def test_centroid_polynomial_in_float32_is_within_2e_6_for_every_index(bits, gro
     _centroid_kernel[(1,)](torch.arange(n, dtype=torch.int32), book.odd_polynomial_tensor(), out, N=n, BITS=bits)
     want = torch.tensor(book.centroids, dtype=torch.float64)
     assert ((out.double() - want).abs() / want.abs()).max() < 2e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_ptx_lookup_gives_the_rounded_centroid_of_every_value_at_every_position(bits, head_dim):
+    codes = pack_indices(every_value_at_every_position(bits, head_dim), bits).cuda()
+    want = torch.tensor(codebook(bits, head_dim).centroids, dtype=torch.float16)[unpack_indices(codes.cpu(), bits, head_dim).long()]
+    got = decode(codes, bits, head_dim, lookup=True, asm=True).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got - want).abs().max()
