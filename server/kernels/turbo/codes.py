@@ -81,7 +81,8 @@ def lookup_table(bits: int, group: int, device: torch.device | str = "cpu") -> t
     """int32 [8]: the fp16 centroids as the PRMT lookup's byte tables (see _LOOKUP8_PTX / _LOOKUP16_PTX).
 
     Words 0-3: low bytes of centroids 0-3, of 4-7, high bytes of 0-3, of 4-7 (missing centroids
-    are 0); turbo4 continues with the same four words for centroids 8-15.
+    are 0); turbo4 continues with the same four words for centroids 8-15. Cached per device: the
+    eager warm-up before a CUDA-graph capture builds it, the capture only reads it.
     """
     halves = torch.tensor(codebook(bits, group).centroids, dtype=torch.float16).view(torch.int16).int() & 0xFFFF
     halves = torch.cat([halves, torch.zeros(max(0, 8 - len(halves)), dtype=torch.int32)])
