@@ -87,11 +87,11 @@ def mean_keys(model, token_ids: list[int], num_layers: int, num_kv_heads: int, h
 def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
                           device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
     """Measure the mean keys on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
-    store its layer's offset (TurboKVStore.set_k_offset). Call before anything is written."""
+    store its layer's offset (TurboKVStore.set_transform). Call before anything is written."""
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
     offsets = mean_keys(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
     for store, offset in zip(stores, offsets):
-        store.set_k_offset(offset)
+        store.set_transform(offset)
     norms = torch.stack([o.norm(dim=-1) for o in offsets])  # [layers, kv_heads]
     log.info(
         "turbo K offsets: mean key per layer and KV head over %d calibration tokens; |m| min %.3g, mean %.3g, max %.3g",
