@@ -4,8 +4,9 @@ Compiles the GEMV body (moe_gemv.py, the decode dispatch) and the GEMM body's de
 (moe_triton.py, BLOCK_M 16) with Triton's bundled ptxas (bench/sass.py) and counts the instructions
 of the K loop (the longest backward branch) per weight a thread handles in one iteration. At the
 H200's copy bandwidth, 80% of it at 2 bits/weight leaves about 2.5 issued instructions per weight.
-Only pointers are marked 16-byte aligned (bench/sass.compile_sm90); a real launch also specializes
-K and strides divisible by 16, which can only remove instructions, so these are upper bounds.
+Pointers, N, K and the weight/activation strides are marked divisible by 16, as a launch at these
+shapes specializes them (without it the loads are not vectorized and not pipelined through cp.async);
+the "cp.async" column says whether the GEMV body's weight loads are software-pipelined.
 This counts work, not time; speed comes only from `python bench/kernels.py experts` on the GPU.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sass import TOOLS, compile_sm90, sass_counts  # noqa: E402  (also turns the interpreter off)
+from server.kernels.experts import moe  # noqa: E402
 from server.kernels.experts.moe import DECODE_BLOCK_M, _gemv_block_k  # noqa: E402
 from server.kernels.experts.moe_gemv import _expert_gemv  # noqa: E402
 from server.kernels.experts.moe_triton import FORMAT_IDS, _expert_gemm  # noqa: E402
@@ -28,6 +30,8 @@ CODES = {"e8p": "*i16", "e8p3": "*i16", "q1_0": "*u8", "q2_0": "*u8"}
 AUX = {"e8p": "*i16", "e8p3": "*u8", "q1_0": "*fp16", "q2_0": "*fp16"}
 STRIDES = ("stride_am", "stride_sm", "stride_om", "stride_we", "stride_wn", "stride_xe", "stride_xn", "stride_se",
            "stride_sn")
+# Multiples of 16 at the D=6144, I=2048 decode shape (row scales and q1_0's d per row are not: left out).
+DIVISIBLE = frozenset({"N", "K", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_xe", "stride_se"})
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
 
 
@@ -66,36 +70,37 @@ def _signature(fmt: str, dual: bool, body: str) -> dict:
     return sig | {s: "i32" for s in STRIDES}
 
 
-def count(fmt: str, dual: bool, body: str) -> tuple[float, int, int]:
-    """(loop instructions per weight per thread, registers, spilled bytes) at the D=6144 decode shape."""
+def count(fmt: str, dual: bool, body: str) -> tuple[float, int, int, int]:
+    """(loop instructions per weight per thread, registers, spilled bytes, cp.async in the PTX) at the D=6144
+    decode shape."""
     k = 6144 if dual else 2048
     common = {"FORMAT": FORMAT_IDS[fmt], "DUAL": dual, "ROUTED": not dual, "A_ROW_DIV": 8 if dual else 1}
     if body == "gemv":
         block_n, block_k = 16, _gemv_block_k(fmt, k, dual)
-        constexprs = common | {"BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True}
+        constexprs = common | {"BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "STAGES": moe.gemv_stages}
         kernel = compile_sm90(_expert_gemv, _signature(fmt, dual, body) | dict.fromkeys(constexprs, "constexpr"),
-                              constexprs, 4)
+                              constexprs, 4, DIVISIBLE)
         rows = 2 * block_n if dual else block_n
     else:  # moe._tile_shape at one-token decode: 32 rows, 128 inputs (q: one block) per step
         block_n, block_k = 32, {"q1_0": 128, "q2_0": 64}.get(fmt, 128)
         constexprs = common | {"BLOCK_M": DECODE_BLOCK_M, "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True,
                                "MAGIC": 128, "IEEE": False}
         kernel = compile_sm90(_expert_gemm, _signature(fmt, dual, body) | dict.fromkeys(constexprs, "constexpr"),
-                              constexprs, 4)
+                              constexprs, 4, DIVISIBLE)
         rows = 2 * block_n if dual else block_n
     _, res = sass_counts(kernel)
-    return loop_length(kernel) / (rows * block_k / 128), res["REG"], res["LOCAL"]
+    return loop_length(kernel) / (rows * block_k / 128), res["REG"], res["LOCAL"], kernel.asm["ptx"].count("cp.async.c")
 
 
 def main() -> None:
-    print("| format | projection | GEMV body instr/weight | regs | GEMM body (decode) instr/weight | regs |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| format | projection | GEMV body instr/weight | regs | cp.async | GEMM body (decode) instr/weight | regs |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for fmt in ("e8p", "e8p3", "q2_0", "q1_0"):
         for dual in (True, False):
-            gemv, gemv_regs, gemv_spill = count(fmt, dual, "gemv")
-            gemm, gemm_regs, gemm_spill = count(fmt, dual, "gemm")
+            gemv, gemv_regs, gemv_spill, gemv_async = count(fmt, dual, "gemv")
+            gemm, gemm_regs, gemm_spill, _ = count(fmt, dual, "gemm")
             spills = " (spills)" if gemv_spill or gemm_spill else ""
-            print(f"| {fmt} | {'gate_up' if dual else 'down'} | {gemv:.2f} | {gemv_regs} | {gemm:.2f} | "
+            print(f"| {fmt} | {'gate_up' if dual else 'down'} | {gemv:.2f} | {gemv_regs} | {gemv_async} | {gemm:.2f} | "
                   f"{gemm_regs} |{spills}", flush=True)
 
 

@@ -152,11 +152,15 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
             t["codes"].stride(0), t["codes"].stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
             scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
             FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
-            BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=3,
+            BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=gemv_stages, num_warps=4,
         )
 
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
+# K steps whose weight loads are in flight at once (cp.async ring). With one step, a program waits a full
+# memory latency per ~1 KiB of weights, so a few programs per SM cannot keep HBM busy (measured: 25-35 %
+# of copy bandwidth); more stages multiply the bytes in flight. Module-level so benchmarks can sweep it.
+gemv_stages = 4
 
 
 def _gemv_can_read(w: ExpertWeights) -> bool:

@@ -164,7 +164,8 @@ def _e8_row_sums(a, field_mask, w_e, aux_e, table, rtable, k0, rows, K, stride_w
 @triton.jit
 def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
                stride_wn, stride_xn, stride_sn,
-               FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+               FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               STAGES: tl.constexpr):
     """[BLOCK_N] float32 a · W[rows]ᵀ for one activation row (weights: one expert's, pointers at it)."""
     offs_k = tl.arange(0, BLOCK_K)
     if FORMAT == Q1_0 or FORMAT == Q2_0:
@@ -174,7 +175,7 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
         NB: tl.constexpr = BLOCK_K // QB
         acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
         offs_q = _q_tile_order(offs_k, 1 if FORMAT == Q1_0 else 2)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             blk = k0 // QB + tl.arange(0, NB)
             if EVEN_K:
                 a = tl.load(a_row_ptr + k0 + offs_q).to(tl.float32)
@@ -193,7 +194,7 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
     acc_r = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     table = tl.load(table_ptr + tl.arange(0, 512))  # e8p.kernel_table(): abs words, then sign words
     rtable = tl.load(rtable_ptr + tl.arange(0, 256))
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             a = tl.load(a_row_ptr + k0 + offs_k).to(tl.float32)
         else:
@@ -219,7 +220,7 @@ def _expert_gemv(a_ptr, a_sum_ptr, out_ptr, expert_ids_ptr, routing_ptr,
                  N, K, field_mask, stride_am, stride_sm, stride_om,
                  stride_we, stride_wn, stride_xe, stride_xn, stride_se, stride_sn,
                  FORMAT: tl.constexpr, DUAL: tl.constexpr, ROUTED: tl.constexpr, A_ROW_DIV: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):
     """out[p, rows] for pair p = program_id(0) (expert expert_ids[p], activation row p // A_ROW_DIV).
 
     Same epilogues as `_expert_gemm`: DUAL reads gate rows n and up rows N + n and writes
@@ -239,13 +240,13 @@ def _expert_gemv(a_ptr, a_sum_ptr, out_ptr, expert_ids_ptr, routing_ptr,
         i = tl.arange(0, 2 * BLOCK_N)
         rows = tl.minimum(tl.program_id(1) * BLOCK_N + i // 2, N - 1) + i % 2 * N
         both = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
-                          stride_wn, stride_xn, stride_sn, FORMAT, 2 * BLOCK_N, BLOCK_K, EVEN_K)
+                          stride_wn, stride_xn, stride_sn, FORMAT, 2 * BLOCK_N, BLOCK_K, EVEN_K, STAGES)
         gate, up = tl.split(tl.reshape(both, (BLOCK_N, 2)))
         val = gate * tl.sigmoid(gate) * up
     else:
         val = _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_ptr, rtable_ptr,
                          tl.minimum(out_rows, N - 1), K, stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K,
-                         EVEN_K)
+                         EVEN_K, STAGES)
     if ROUTED:
         val = val * tl.load(routing_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + out_rows, val.to(out_ptr.dtype.element_ty), mask=out_rows < N)
