@@ -230,6 +230,36 @@ def sweep_decode_tiles(device) -> None:
             moe.tile_override = None
 
 
+def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8), stages=(2, 4, 6),
+               block_ns=(16, 32)) -> None:
+    """Print kernel-only times of the GEMV body at the deep shape for a few pipeline depths and row blocks
+    (informs moe.gemv_stages and moe.GEMV_BLOCK_N)."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
+    saved = moe.gemv_stages, moe.GEMV_BLOCK_N
+    try:
+        for fmt in formats:
+            gu = random_weights(fmt, e, 2 * i, d, device, gen)
+            dn = random_weights(fmt, e, d, i, device, gen)
+            for tokens in token_counts:
+                sets = []
+                for g in range(8):
+                    ids, w, first, m = routing_for(tokens, DEEP, g, device, gen)
+                    x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
+                    sets.append((x, w, ids, first))
+                n_sets = min(8, e // m)
+                nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+                for depth in stages:
+                    for block_n in block_ns:
+                        moe.gemv_stages, moe.GEMV_BLOCK_N = depth, block_n
+                        kernels = [_prepared_kernels(s, gu, dn, True) for s in sets[:n_sets]]
+                        ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                        print(f"sweep gemv deep {fmt} T={tokens} stages={depth} block_n={block_n}: "
+                              f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+    finally:
+        moe.gemv_stages, moe.GEMV_BLOCK_N = saved
+
+
 def run(device: torch.device, copy_gbs: float):
     for line in check_correctness(device):
         print("correctness:", line, flush=True)
@@ -239,6 +269,7 @@ def run(device: torch.device, copy_gbs: float):
     else:
         try:
             sweep_decode_tiles(device)
+            sweep_gemv(device)
         except Exception:  # noqa: BLE001 - informative only
             traceback.print_exc()
         sections = (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 4, 8, 32), copy_gbs, device),
