@@ -24,12 +24,28 @@ from server.runtime.sequence import TokenLogprob
 
 
 @dataclass
+class HostBatch:
+    """A step's flat batch on the host."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    block_tables: np.ndarray  # [S, widest block table of the batch] int32
+    logit_rows: list[int]  # rows of the flat batch whose logits are computed
+    row_starts: list[int]  # first row of each chunk
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logit_rows: list[int]  # rows of the flat batch whose logits are computed
-    row_starts: list[int]  # first row of each chunk (host copy of query_start_loc)
 
 
 @dataclass
@@ -78,17 +94,19 @@ class ModelRunner:
         )
         self.used_cuda_graph = False  # whether the last forward replayed a graph (engine metrics)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def batch(self, chunks: list[ScheduledChunk]) -> HostBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
+        row_starts: list[int] = []
         # As wide as this batch needs: the widest (max_model_len) would copy ~1 MB a step at long contexts.
         width = max(len(c.seq.block_table) for c in chunks)
         block_tables = np.zeros((len(chunks), width), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             first_row = len(ids)
+            row_starts.append(first_row)
             ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += self.kv_cache.slots(seq, start, n)
@@ -97,30 +115,36 @@ class ModelRunner:
                 logit_rows += range(first_row, first_row + n)
             elif chunk.samples:
                 logit_rows.append(first_row + n - 1)
-        query_lens = [c.num_tokens for c in chunks]
         seq_lens = [c.start + c.num_tokens for c in chunks]
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
+        query_lens = [c.num_tokens for c in chunks]
+        return HostBatch(ids, positions, slots, seq_lens, query_lens, block_tables, logit_rows, row_starts)
+
+    def prepare(self, batch: HostBatch) -> StepInputs:
+        """Device tensors of an eager step."""
+        t, s = len(batch.ids), len(batch.seq_lens)
+        query_start = batch.row_starts + [t]
         # One copy for all 1-D inputs (a copy costs more than its bytes here). Plain, not pinned:
         # the device is idle now, waiting for exactly these inputs.
-        t, s = len(ids), len(chunks)
-        flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64, device=self.device)
+        flat = torch.tensor(batch.ids + batch.positions + batch.slots + batch.seq_lens + query_start,
+                            dtype=torch.int64, device=self.device)  # fmt: skip
         meta = AttentionMetadata(
             slot_mapping=flat[2 * t : 3 * t],
-            block_tables=torch.from_numpy(block_tables).to(self.device),
+            block_tables=torch.from_numpy(batch.block_tables).to(self.device),
             seq_lens=flat[3 * t : 3 * t + s].to(torch.int32),
             query_start_loc=flat[3 * t + s :].to(torch.int32),
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=query_lens,
+            seq_lens_cpu=batch.seq_lens,
+            query_lens_cpu=batch.query_lens,
         )
-        return StepInputs(flat[:t], flat[t : 2 * t], meta, logit_rows, query_start[:-1])
+        return StepInputs(flat[:t], flat[t : 2 * t], meta)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model call; decode-only steps (inputs.meta.is_decode_only) are what CUDA graphs replay."""
-        self.used_cuda_graph = self.graphs is not None and self.graphs.can_run(inputs.input_ids, inputs.meta)
+    def forward(self, batch: HostBatch) -> torch.Tensor:
+        """The model call; decode-only steps that fit a captured size replay a CUDA graph."""
+        self.used_cuda_graph = self.graphs is not None and self.graphs.can_run(
+            len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1]
+        )
         if self.used_cuda_graph:
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables)
+        inputs = self.prepare(batch)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
@@ -129,16 +153,16 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
         """Queue the step's kernels (forward, logits, sampling) without waiting for them."""
-        inputs = self.prepare(chunks)
-        hidden = self.forward(inputs)
-        step = LaunchedStep(chunks, inputs.row_starts)
-        if not inputs.logit_rows:
+        batch = self.batch(chunks)
+        hidden = self.forward(batch)
+        step = LaunchedStep(chunks, batch.row_starts)
+        if not batch.logit_rows:
             return step
-        if len(inputs.logit_rows) < hidden.shape[0]:
-            hidden = hidden[to_device(torch.tensor(inputs.logit_rows), self.device)]
+        if len(batch.logit_rows) < hidden.shape[0]:
+            hidden = hidden[to_device(torch.tensor(batch.logit_rows), self.device)]
         with timed("lm_head", self.device):
             step.logits = self.model.compute_logits(hidden)
-        step.row_of = {row: i for i, row in enumerate(inputs.logit_rows)}
+        step.row_of = {row: i for i, row in enumerate(batch.logit_rows)}
         step.scoring_prompt = [i for i, c in enumerate(chunks) if wants_prompt_logprobs(c)]
         step.sampling = [i for i, c in enumerate(chunks) if c.samples]
         if step.sampling:

@@ -81,10 +81,57 @@ def test_replay_pads_with_rows_that_touch_no_page(monkeypatch):
                                  torch.arange(4, dtype=torch.int32), lens, [1, 1, 1])  # fmt: skip
         ids, positions = torch.tensor([4, 8, 15]), torch.tensor([n - 1 for n in lens])
         before = stores[0].k_pages.clone()
-        assert graphs.can_run(ids, meta)
+        assert graphs.can_run(3, True, tables.shape[1]) and not graphs.can_run(5, True, 8)
+        assert not graphs.can_run(3, False, 8) and not graphs.can_run(3, True, 9)
         replayed = graphs.run(ids, positions, meta).clone()
         written = (stores[0].k_pages != before).flatten(2).any(-1)  # [pages, page_size]
         eager = model.forward(ids, positions, stores, meta)
     assert replayed.shape == eager.shape == (3, 32)
     assert (replayed - eager).abs().max() <= 1e-4, "replay with a padding row differs from the eager step"
     assert sorted(int(s) for s in written.flatten().nonzero()) == sorted(slots.tolist()), "a padding row wrote"
+
+
+def test_engine_decode_steps_through_graph_replays_give_the_eager_tokens(monkeypatch):
+    # The runner's graph path (host batch -> pinned-buffer copies -> padded replay) inside a running engine, with
+    # the stand-in graph of the test above: greedy tokens must be the eager engine's, padding rows included.
+    import sys
+    from pathlib import Path
+
+    from server.kernels import paged_kv
+    from server.runtime.cuda_graphs import DecodeGraphs
+    from server.runtime.sequence import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from runtime_toy import make_engine, run_all, toy_loaded
+
+    monkeypatch.setattr(paged_kv, "use_triton", lambda t: True)  # graphs read seq_lens on the device
+    loaded = toy_loaded()
+    requests = {f"r{i}": (p, SamplingParams(max_tokens=5, temperature=0.0)) for i, p in
+                enumerate([[5, 6, 7], list(range(10, 21)), [99]])}  # fmt: skip
+    eager = make_engine(loaded, max_num_seqs=4)
+    expected = run_all(eager, requests)
+    eager.shutdown()
+
+    engine = make_engine(loaded, max_num_seqs=4)
+    runner = engine.runner
+    graphs = DecodeGraphs(loaded.model, runner.kv_cache.stores, 4, runner.max_pages_per_seq, engine.max_model_len,
+                          torch.device("cpu"))  # fmt: skip
+    replays = []
+
+    class RerunGraph:
+        def __init__(self, n):
+            self.n = n
+
+        def replay(self):
+            replays.append(self.n)
+            graphs.outputs[self.n].copy_(graphs._forward(self.n))
+
+    with torch.inference_mode():
+        for n in graphs.sizes:
+            graphs.outputs[n] = graphs._forward(n)
+            graphs.graphs[n] = RerunGraph(n)
+    runner.graphs = graphs  # the engine thread is idle until the first submit
+    got = run_all(engine, requests)
+    engine.shutdown()
+    assert {r: f.token_ids for r, f in got.items()} == {r: f.token_ids for r, f in expected.items()}
+    assert 4 in replays, f"three decoding rows replay the size-4 graph with a padding row (replays: {replays})"
