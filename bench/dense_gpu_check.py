@@ -16,6 +16,7 @@ Exits non-zero when a correctness check fails.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 import traceback
@@ -40,6 +41,7 @@ PAGE = 16
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (128256, 4096)}  # fmt: skip
 failures: list[str] = []
+CONFIGS_OUT: str | None = None
 
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
@@ -235,7 +237,7 @@ def _fused_call(x, w, epilogue, pos, inv_freq):
 # (weight rows per program, BLOCK_K, STAGES); a paired (fused) program holds half the rows' pairs. Each one
 # compiled for sm_90 offline without spills (<= 128 registers: 4 programs per SM).
 SWEEP = [(4, 1024, 3), (8, 512, 4), (16, 256, 4), (16, 512, 3), (32, 256, 3), (32, 128, 5)]
-best_configs: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}  # (N, K, paired) -> fastest at M=1
+best_configs: dict[tuple[int, int, bool], tuple[int, int, int]] = {}  # as gemv.MEASURED_M1: fastest at M=1
 
 
 def gemv_sweep(device, copy_gbs: float) -> None:
@@ -265,7 +267,7 @@ def gemv_sweep(device, copy_gbs: float) -> None:
                 results.append(f"{cfg[1]}x{cfg[2]}/{cfg[3]} failed {type(exc).__name__}")
             finally:
                 gemv._config = default
-        best_configs[(n, k, paired)] = min(timed_configs)[1]
+        best_configs[(n, k, paired)] = min(timed_configs)[1][1:]
         print(f"{name} {n}x{k}: " + "; ".join(results), flush=True)
         x8, pos8 = torch.randn(8, k, device=device, dtype=torch.bfloat16), pos.expand(8).contiguous()
         ours = time_ms(lambda i: _fused_call(x8, weights[i], epilogue, pos8, inv_freq), n_inputs=copies, iters=50,
@@ -301,29 +303,29 @@ def decode_step_timings(device, copy_gbs: float) -> None:
                              torch.tensor([0, 1], dtype=torch.int32, device=device), [seq_len], [1])  # fmt: skip
     ids, positions = torch.tensor([7], device=device), torch.tensor([seq_len - 1], device=device)
     outputs = {}
-    default = gemv._config
-
-    def swept(rows, n, k, paired=False):  # the sweep's fastest M=1 configuration where it measured one
-        return best_configs.get((n, k, paired), default(rows, n, k, paired)) if rows == 1 else default(rows, n, k, paired)
-
+    measured = dict(gemv.MEASURED_M1)
     for setting, configs in (("1", "default"), ("0", "default"), ("1", "swept")):
         os.environ["TURBOSERVE_PDL"] = setting
         pdl._supported.cache_clear()
-        gemv._config = swept if configs == "swept" else default
+        if configs == "swept":
+            gemv.MEASURED_M1.update(best_configs)
         try:
             graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, device)
             graphs.capture()
             outputs[setting + configs] = graphs.run(ids, positions, meta).clone()
             ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
         finally:
-            gemv._config = default
+            gemv.MEASURED_M1.clear()
+            gemv.MEASURED_M1.update(measured)
         print(f"8B decode forward b1 graph replay, PDL {'on' if setting == '1' else 'off'}, {configs} configs: "
               f"{ms * 1e3:.0f} us/step ({layer_bytes / ms / 1e6:.0f} GB/s of weights without the LM head, "
               f"{layer_bytes / ms / 1e6 / copy_gbs:.0%} of copy); LM head adds one {lm_head / 1e6:.0f} MB GEMV",
               flush=True)  # fmt: skip
         del graphs
     if best_configs:
-        print("swept M=1 configs (N, K, paired) -> (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): " + str(best_configs))
+        print("swept M=1 configs (N, K, paired) -> (BLOCK_N, BLOCK_K, STAGES): " + str(best_configs))
+        if CONFIGS_OUT:
+            Path(CONFIGS_OUT).write_text(json.dumps({f"{n},{k},{int(fused)}": cfg for (n, k, fused), cfg in best_configs.items()}))
     os.environ.pop("TURBOSERVE_PDL")
     pdl._supported.cache_clear()
     check("8B decode forward, PDL on vs off (same kernels, other launch)", outputs["1default"], outputs["0default"], 0.0)
@@ -366,8 +368,12 @@ def kernel_timings(device, copy_gbs: float) -> None:
 
 
 def main() -> int:
-    # --no-attention-timings: the kernels' correctness and the dense-layer timings only (saves device time).
+    # --no-attention-timings: the kernels' correctness and the dense-layer timings only (saves device time);
+    # --write-gemv-configs PATH: the sweep's fastest M=1 configurations as JSON (bench/e2e.py --gemv-configs).
+    global CONFIGS_OUT
     attention_timings = "--no-attention-timings" not in sys.argv[1:]
+    if "--write-gemv-configs" in sys.argv[1:]:
+        CONFIGS_OUT = sys.argv[sys.argv.index("--write-gemv-configs") + 1]
     device = require_gpu()
     t0 = time.perf_counter()
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import sys
 import threading
 import time
@@ -313,7 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--doc", type=Path, default=BENCHMARKS_DOC, help="markdown file to record into")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--gemv-configs", type=Path, help="JSON of one-row skinny-matmul configurations to use "
+                   "(bench/dense_gpu_check.py --write-gemv-configs), added to server/kernels/gemv.py MEASURED_M1")
     args = p.parse_args(argv)
+    if args.gemv_configs:
+        from server.kernels import gemv
+
+        for key, cfg in json.loads(args.gemv_configs.read_text()).items():  # "N,K,fused 0/1": [BLOCK_N, BLOCK_K, STAGES]
+            n, k, fused = map(int, key.split(","))
+            gemv.MEASURED_M1[(n, k, bool(fused))] = tuple(cfg)
+        print(f"skinny matmul M=1 configurations: {gemv.MEASURED_M1}", flush=True)
     device = torch.device(args.device)
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 30 if device.type == "cuda" else 1 << 24)
@@ -332,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         f"- Command: `{command_line('bench/e2e.py', argv)}`\n"
         f"- Hardware: {environment_line(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n"
         f"- Decode: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, timed after every first "
-        f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy bandwidth.\n\n"
+        f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy bandwidth.\n"
+        + (f"- One-row skinny-matmul configurations (N, K, fused) -> (BLOCK_N, BLOCK_K, STAGES) from "
+           f"{args.gemv_configs.name}: {gemv.MEASURED_M1}\n" if args.gemv_configs else "")
+        + "\n"
         + "\n".join(lines) + "\n"
     )  # fmt: skip
     print(block)

@@ -52,7 +52,9 @@ PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a 
 # half that for tensor cores, whose W and padded x tiles both take shared memory in every stage.
 # A paired program holds two tiles of half the size.
 TILE_ELEMENTS = 8192
-EPILOGUES = ("none", "silu_and_mul", "rope")
+# One-row configurations measured faster than the rule in _config, by shape:
+# (N, K, fused epilogue) -> (BLOCK_N, BLOCK_K, STAGES). bench/dense_gpu_check.py sweeps and prints them.
+MEASURED_M1: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
 
 
 @triton.jit
@@ -186,6 +188,8 @@ def _skinny_matmul_kernel(
 def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES) for a shape: BLOCK_N as large as keeps ~PROGRAMS_TARGET programs.
     Paired programs own BLOCK_N pairs: the same rows per program as unpaired, in two tiles."""
+    if rows == 1 and (n, k, paired) in MEASURED_M1:
+        return (1, *MEASURED_M1[(n, k, paired)])
     slab = triton.next_power_of_2(max(1, n // PROGRAMS_TARGET))
     if rows == 1:
         block_m, block_n = 1, min(max(slab, 4), 32)

@@ -115,3 +115,14 @@ def test_fused_linears_take_the_kernel_up_to_16_rows_and_fall_back_to_the_separa
         assert_close(k, k_ref, 1e-2, 2**-7, f"linear_rope k, {rows} rows")
         assert_close(v.flatten(1), F.linear(x, qkv_w)[:, 24:], 1e-3, 2**-10, f"linear_rope v, {rows} rows")
     assert launched == [(n, r) for r in (1, 16) for n in ("skinny_matmul_silu_and_mul", "skinny_matmul_rope")]
+
+
+def test_measured_one_row_configs_replace_the_rule_and_keep_results(monkeypatch):
+    monkeypatch.setattr(gemv, "MEASURED_M1", {(2 * 19, 70, True): (2, 32, 2), (19, 70, False): (4, 64, 2)})
+    assert gemv._config(1, 2 * 19, 70, paired=True) == (1, 2, 32, 2)
+    assert gemv._config(1, 19, 70) == (1, 4, 64, 2)
+    assert gemv._config(3, 19, 70)[0] == 16, "2..16 rows keep the tensor-core rule"
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(1, 70, generator=g).to(torch.float16), (torch.randn(2 * 19, 70, generator=g) * 0.3).to(torch.float16)
+    assert_close(gemv.skinny_matmul_silu_and_mul(x, w), silu_and_mul_oracle(x, w), 4e-3, 2**-8, "measured paired config")
+    assert_close(gemv.skinny_matmul(x, w[:19]), x.double() @ w[:19].double().T, 1e-3, 2**-10, "measured plain config")
