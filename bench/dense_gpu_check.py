@@ -280,6 +280,18 @@ def gemv_sweep(device, copy_gbs: float) -> None:
         del weights
 
 
+def _runner_loop_ms(model, graphs, ids, positions, meta, steps: int = 30) -> float:
+    """Wall ms per step of replay + LM head + greedy argmax + reading the token back, each step waiting for
+    the last as the engine does: device time plus the runner's own host gaps (no scheduler, no engine)."""
+    args = (ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens_cpu, meta.block_tables.cpu().numpy())
+    with torch.inference_mode():
+        for i in range(steps + 3):
+            if i == 3:
+                t0 = time.perf_counter()
+            model.compute_logits(graphs.run_host(*args)).argmax(-1).tolist()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def decode_step_timings(device, copy_gbs: float) -> None:
     """A Llama-3-8B-shaped batch-1 decode forward (no LM head) replayed as a CUDA graph, PDL on and off."""
     import os
@@ -314,6 +326,8 @@ def decode_step_timings(device, copy_gbs: float) -> None:
             graphs.capture()
             outputs[setting + configs] = graphs.run(ids, positions, meta).clone()
             ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
+            if setting + configs == "1default":
+                host_loop_ms = _runner_loop_ms(loaded.model, graphs, ids, positions, meta)
         finally:
             gemv.MEASURED_M1.clear()
             gemv.MEASURED_M1.update(measured)
@@ -322,6 +336,8 @@ def decode_step_timings(device, copy_gbs: float) -> None:
               f"{layer_bytes / ms / 1e6 / copy_gbs:.0%} of copy); LM head adds one {lm_head / 1e6:.0f} MB GEMV",
               flush=True)  # fmt: skip
         del graphs
+    print(f"host loop as the runner drives it (inputs copied, replay, LM head, argmax, token read back): "
+          f"{host_loop_ms * 1e3:.0f} us/step", flush=True)
     if best_configs:
         print("swept M=1 configs (N, K, paired) -> (BLOCK_N, BLOCK_K, STAGES): " + str(best_configs))
         if CONFIGS_OUT:
