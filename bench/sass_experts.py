@@ -30,8 +30,9 @@ CODES = {"e8p": "*i16", "e8p3": "*i16", "q1_0": "*u8", "q2_0": "*u8"}
 AUX = {"e8p": "*i16", "e8p3": "*u8", "q1_0": "*fp16", "q2_0": "*fp16"}
 STRIDES = ("stride_am", "stride_sm", "stride_om", "stride_we", "stride_wn", "stride_xe", "stride_xn", "stride_se",
            "stride_sn")
-# Multiples of 16 at the D=6144, I=2048 decode shape (row scales and q1_0's d per row are not: left out).
-DIVISIBLE = frozenset({"N", "K", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_xe", "stride_se"})
+# Multiples of 16 at the D=6144, I=2048 decode shape (the unit strides of E8 row sums and scales are not).
+DIVISIBLE = frozenset({"N", "K", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_xe", "stride_xn",
+                       "stride_se"})
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
 
 

@@ -190,8 +190,11 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
             s_blk = tl.sum(tl.reshape(s, (BLOCK_N, NB, QB)), 2)
             acc += (4 * s_blk - 5 * a_blk[None, :]) * d
         return tl.sum(acc, 1)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_r = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # One accumulator per (row, code position): a code's 8 products are summed in the thread that
+    # decoded it, which keeps 8x fewer accumulator registers than one per weight (more programs per SM,
+    # more weight bytes in flight) and still K/BLOCK_K-long float32 sums.
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     table = tl.load(table_ptr + tl.arange(0, 512))  # e8p.kernel_table(): abs words, then sign words
     rtable = tl.load(rtable_ptr + tl.arange(0, 256))
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -201,9 +204,9 @@ def _gemv_rows(a_row_ptr, field_mask, a_sum_row_ptr, w_e, aux_e, scale_e, table_
             a = tl.load(a_row_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
         s, s_r = _e8_row_sums(a, field_mask, w_e, aux_e, table, rtable, k0, rows, K, stride_wn, stride_xn,
                               FORMAT, BLOCK_K, EVEN_K)
-        acc += s
+        acc += tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_K // 8, 8)), 2)
         if FORMAT == E8P3:
-            acc_r += s_r
+            acc_r += tl.sum(tl.reshape(s_r, (BLOCK_N, BLOCK_K // 8, 8)), 2)
     # E8 nibble n = (4w + 15)/2: Σ a·w = (2·Σ a·n - 15·Σa)/4 = 8·Σ a(1 + n/16) - (47/4)·Σa.
     a_total = tl.load(a_sum_row_ptr)
     val = 8 * tl.sum(acc, 1) - 11.75 * a_total
