@@ -230,10 +230,10 @@ def sweep_decode_tiles(device) -> None:
             moe.tile_override = None
 
 
-def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8), stages=(2, 4, 6),
-               block_ns=(16, 32)) -> None:
-    """Print kernel-only times of the GEMV body at the deep shape for a few pipeline depths and row blocks
-    (informs moe.gemv_stages and moe.GEMV_BLOCK_N)."""
+def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8),
+               configs=((1, 16), (4, 16), (6, 16), (4, 32))) -> None:
+    """Print kernel-only times of the GEMV body at the deep shape for a few (pipeline depth, row block)
+    configurations (informs moe.gemv_stages and moe.GEMV_BLOCK_N; depth 1 = no cp.async ring)."""
     gen = torch.Generator(device=device).manual_seed(4)
     d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
     saved = moe.gemv_stages, moe.GEMV_BLOCK_N
@@ -249,13 +249,12 @@ def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8), sta
                     sets.append((x, w, ids, first))
                 n_sets = min(8, e // m)
                 nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
-                for depth in stages:
-                    for block_n in block_ns:
-                        moe.gemv_stages, moe.GEMV_BLOCK_N = depth, block_n
-                        kernels = [_prepared_kernels(s, gu, dn, True) for s in sets[:n_sets]]
-                        ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
-                        print(f"sweep gemv deep {fmt} T={tokens} stages={depth} block_n={block_n}: "
-                              f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+                for depth, block_n in configs:
+                    moe.gemv_stages, moe.GEMV_BLOCK_N = depth, block_n
+                    kernels = [_prepared_kernels(s, gu, dn, True) for s in sets[:n_sets]]
+                    ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                    print(f"sweep gemv deep {fmt} T={tokens} stages={depth} block_n={block_n}: "
+                          f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
     finally:
         moe.gemv_stages, moe.GEMV_BLOCK_N = saved
 
