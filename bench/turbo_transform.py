@@ -18,18 +18,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms  # noqa: E402
-from server.kernels.paged_kv import AttentionMetadata  # noqa: E402
-from server.kernels.turbo.format import dequantize_reference  # noqa: E402
-from server.kernels.turbo.quantize import store_turbo_triton  # noqa: E402
-from server.kernels.turbo.store import TurboKVStore  # noqa: E402
+from bench.harness import Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.turbo.format import dequantize_reference
+from server.kernels.turbo.quantize import store_turbo_triton
+from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
 
 
 def transformed_store(num_pages, kv_heads, head_dim, kind, device, gen):
     store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, kind, kind, device, torch.bfloat16)
-    pow2 = lambda: torch.exp2(torch.randint(-2, 3, (kv_heads, head_dim), generator=gen).float())  # noqa: E731
+    pow2 = lambda: torch.exp2(torch.randint(-2, 3, (kv_heads, head_dim), generator=gen).float())
     store.set_transform(torch.randn(kv_heads, head_dim, generator=gen) * 4, pow2(), pow2())
     return store
 
@@ -115,8 +115,8 @@ def store_rows(device) -> list[Row]:
         moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(kv_heads, head_dim, kind, kind) + tokens * 8
         for label, transform in (("with m, s, t", (store.k_offset, store.k_scale, store.v_scale)),
                                  ("plain format", (None, None, None))):
-            ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
-                                                      *transform), device=device)
+            ms = time_ms(lambda _, store=store, transform=transform: store_turbo_triton(
+                k, v, slots, store.k, store.v, store.signs, store.inv_sqrt, *transform), device=device)
             rows.append(Row(f"store {kind}, {tokens} tokens x {kv_heads} heads, K+V, {label}", ms, dense_ms, moved,
                             "bf16 index_copy_ of K and V", "16 token-head rows per program"))
     return rows
@@ -132,9 +132,10 @@ def attend_rows(device) -> list[Row]:
             pages.codes.copy_(torch.randint(0, 256, pages.codes.shape, dtype=torch.uint8, device=device))
             pages.norms.copy_(torch.rand(pages.norms.shape, device=device).half() + 0.5)
         q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.bfloat16)
-        scaled = time_ms(lambda _: store.attend(q, meta, head_dim**-0.5), device=device)
+        step = lambda _, store=store, q=q, meta=meta, scale=head_dim**-0.5: store.attend(q, meta, scale)
+        scaled = time_ms(step, device=device)
         store.scaled = False  # the same pages read without q / s and out / t: only the two multiplies differ
-        plain = time_ms(lambda _: store.attend(q, meta, head_dim**-0.5), device=device)
+        plain = time_ms(step, device=device)
         store.scaled = True
         rows.append(Row(f"decode turbo3 batch {batch} ctx {ctx}, {q_heads}/{kv_heads} heads d{head_dim}, "
                         "TurboKVStore.attend with s, t", scaled, plain, None, "same store without q / s, out / t",

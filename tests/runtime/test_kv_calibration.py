@@ -2,13 +2,16 @@
 
 import pytest
 import torch
-
-import server.runtime.kv_calibration as kv_calibration
 from runtime_toy import ToyConfig, ToyLoaded, ToyModel, make_engine
+
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.store import TurboKVStore
+from server.runtime import kv_calibration
 from server.runtime.kv_calibration import (
-    CALIBRATION_TEXT, KVStatistics, equalizing_transform, kv_statistics,
+    CALIBRATION_TEXT,
+    KVStatistics,
+    equalizing_transform,
+    kv_statistics,
 )  # fmt: skip
 from server.runtime.sequence import SamplingParams
 
@@ -83,7 +86,7 @@ def score_error(s, a, b):
 def test_scales_are_powers_of_two_near_the_cauchy_schwarz_optimum():
     gen = torch.Generator().manual_seed(0)
     a, b, c = (torch.exp(2 * torch.randn(3, 64, generator=gen)) for _ in range(3))  # channels 100x apart
-    m, s, t = equalizing_transform(KVStatistics(torch.randn(3, 64, generator=gen), a, b, c))
+    _, s, t = equalizing_transform(KVStatistics(torch.randn(3, 64, generator=gen), a, b, c))
     for name, x in (("s", s), ("t", t)):
         assert torch.equal(x, torch.exp2(torch.log2(x).round())), f"{name} is not a power of two"
         assert x.log2().mean(-1).abs().max() <= 0.5, f"{name}: geometric mean per head is not ~1"

@@ -8,14 +8,14 @@ reference and fused Triton decode, reference and Triton prefill) must agree with
 
 import pytest
 import torch
+from test_attention import attention64, decode64
+from test_key_offset import assert_close, step
 
 import server.kernels.turbo.attention as turbo_attention
 import server.kernels.turbo.store as turbo_store
 from server.kernels.turbo.format import quantize_reference, unpack_indices
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
-from test_attention import attention64, decode64
-from test_key_offset import assert_close, step
 
 PAGE = 16
 
