@@ -256,7 +256,7 @@ def gemv_sweep(device, copy_gbs: float) -> None:
         results, timed_configs = [], []
         candidates = [(1, rows // 2 if paired else rows, block_k, stages) for rows, block_k, stages in SWEEP]
         for cfg in [default(1, n, k, paired)] + candidates:
-            gemv._config = lambda *_, cfg=cfg: cfg
+            gemv._config = lambda *_, cfg=cfg, **__: cfg  # called with paired= by keyword
             try:
                 t = time_ms(lambda i: _fused_call(xs, weights[i], epilogue, pos, inv_freq), n_inputs=copies, iters=50,
                             device=device)  # fmt: skip
