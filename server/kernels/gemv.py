@@ -22,8 +22,12 @@ at once finishes in registers and the projection's output is never written:
 The projection is rounded to the activation dtype before the fused op, where the unfused path stores
 it, and the op then computes in float32 as server/kernels/swiglu.py and rotary.py do.
 
-``linear``, ``linear_silu_and_mul`` and ``linear_rope`` dispatch: Triton on CUDA for fp16/bf16 with
-at most MAX_ROWS rows, cuBLAS (plus the separate fused-op kernel) otherwise. Launches are CUDA-graph
+``linear``, ``linear_silu_and_mul`` and ``linear_rope`` dispatch: Triton on CUDA for fp16/bf16, cuBLAS
+(plus the separate fused-op kernel) otherwise. A plain projection takes the kernel for one row only:
+at 8 rows cuBLAS was faster on every 8B shape but the LM head (BENCHMARKS.md, skinny matmul), and the
+tensor-core body pads 2..16 rows to 16, so its time hardly depends on M. The fused ones take it up
+to MAX_ROWS rows: they save a launch and the projection's round trip through memory (not yet timed
+against cuBLAS plus the separate op at 2..16 rows). Launches are CUDA-graph
 safe: shapes decide the grid, outputs come from the caching allocator, nothing synchronizes.
 """
 
@@ -273,14 +277,14 @@ def skinny_matmul_rope(
                    rotated_heads * head_dim // 2, head_dim // 2)  # fmt: skip
 
 
-def _skinny_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+def _skinny_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> int:
     """Rows of x after flattening when the skinny kernel serves this call, else 0."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     fits = (
         _unusable is None
         and use_triton(x)
-        and 1 <= rows <= MAX_ROWS
+        and 1 <= rows <= max_rows
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
@@ -300,8 +304,8 @@ def _guarded(launch):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); decode-sized inputs (<= MAX_ROWS rows after flattening) take skinny_matmul."""
-    rows = _skinny_rows(x, weight)
+    """F.linear(x, weight, bias); one row (after flattening) takes skinny_matmul."""
+    rows = _skinny_rows(x, weight, max_rows=1)
     if rows:
         y = _guarded(lambda: skinny_matmul(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias))
         if y is not None:
