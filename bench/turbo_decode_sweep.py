@@ -18,7 +18,7 @@ from bench import kernels_turbo  # noqa: E402
 from bench.harness import require_gpu  # noqa: E402
 from server.kernels.turbo import attention  # noqa: E402
 
-TILES = ((64, 4), (128, 8), (32, 4), (64, 8))  # (BLOCK_N, num_warps)
+TILES = ((64, 4, None), (64, 4, 128), (128, 8, None), (32, 4, None))  # (BLOCK_N, num_warps, max registers)
 PROGRAMS_PER_SM = (4, 8, 16)
 SHAPES = ((8, 65536), (8, 16384), (1, 65536))  # (batch, context)
 

@@ -38,9 +38,14 @@ from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # tokens per inner step; 64 tokens / 4 warps measured fastest (docs/BENCHMARKS.md sweep)
+# Tokens per inner step and warps: 64 / 4 measured fastest (with 128 / 8 close), programs per
+# SM 8 at batch 8 (vs 4 and 16) while batch 1 at 64K wanted splits of >= ~1000 tokens: the H200
+# sweep of bench/turbo_decode_sweep.py, docs/BENCHMARKS.md.
+BLOCK_N = 64
 NUM_WARPS = 4
-PROGRAMS_PER_SM = 4  # enough programs in flight to hide memory latency
+PROGRAMS_PER_SM = 8
+MIN_SPLIT_TOKENS = 1024  # shorter splits spend more on their Q rotation and partial outputs than they hide
+MAX_REGISTERS = None  # ptxas's choice (148 at 64 / 4: 3 programs per SM); the sweep also tries 128
 
 
 @triton.jit
@@ -52,6 +57,20 @@ def _centroids(row_ptrs, valid, table_ptr, poly_ptr, BLOCK: tl.constexpr, D: tl.
     else:
         c = centroid_by_polynomial(decode_rows(row_ptrs, valid, table_ptr, BLOCK, D, BITS, False), poly_ptr, BITS)
     return c
+
+
+@triton.jit
+def _block_rows(t0, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, NG: tl.constexpr, BLOCK: tl.constexpr):
+    """Tokens t0 .. t0 + BLOCK (those < end are valid): their page rows and K, V norms [BLOCK, NG] (float32)."""
+    tok = t0 + tl.arange(0, BLOCK)
+    valid = tok < end
+    page = tl.load(tables_ptr + seq * tables_stride + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
+    norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
+    k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    return valid, row, k_norm, v_norm
 
 
 @triton.jit
@@ -83,14 +102,13 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
         l = tl.zeros((GQA_PAD, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
         acc = tl.zeros((GQA_PAD, D), tl.float32)
+        # Norms are 2-byte loads, too narrow for the pipeliner's cp.async: load each block's one
+        # step ahead (with its page-table entries) so their latency hides behind a whole step.
+        valid, row, k_norm, v_norm = _block_rows(start, end, seq, kv_head, tables_ptr, tables_stride, k_norms,
+                                                 v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
         for t0 in range(start, end, BLOCK):
-            tok = t0 + tl.arange(0, BLOCK)
-            valid = tok < end
-            page = tl.load(tables_ptr + seq * tables_stride + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            row = (page * H_KV + kv_head) * PAGE_SIZE + tok % PAGE_SIZE
-            norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
-
-            k_norm = tl.load(k_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
+                t0 + BLOCK, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
             k = _centroids(k_codes + row * (D * K_BITS // 8), valid, k_table, k_poly, BLOCK, D, K_BITS, F16, ASM)
             # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
             # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
@@ -107,7 +125,6 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha[:, None] + p
 
-            v_norm = tl.load(v_norms + norm_offs, mask=valid[:, None], other=0.0).to(tl.float32)
             v = _centroids(v_codes + row * (D * V_BITS // 8), valid, v_table, v_poly, BLOCK, D, V_BITS, F16, ASM)
             if NG == 1:  # fold the value norms into the probabilities
                 acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans((p * tl.reshape(v_norm, (BLOCK,))[None, :]).to(OP))))
@@ -115,6 +132,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                 v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None].to(OP), (BLOCK, D))
                 acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(OP))))
             m = m_new
+            valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
 
         part = (seq * (H_KV * GQA) + heads) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
@@ -163,19 +181,22 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
-    """Split long contexts until there are about PROGRAMS_PER_SM programs per SM (flash-decoding)."""
+    """Split long contexts toward PROGRAMS_PER_SM programs per SM (flash-decoding), but not into splits
+    shorter than MIN_SPLIT_TOKENS unless that leaves SMs without a program."""
     blocks = max(1, triton.cdiv(max_seq_len, block_n))
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(1, num_seqs * kv_heads))
-    return max(1, min(blocks, wanted))
+    rows = max(1, num_seqs * kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), rows)
+    long_enough = max(triton.cdiv(_sm_count(device), rows), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
+    return max(1, min(blocks, wanted, long_enough))
 
 
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                             num_splits: int | None = None, block_n: int = BLOCK_N,
-                            num_warps: int = NUM_WARPS) -> torch.Tensor:
+                            num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
-    ``num_splits``, ``block_n`` and ``num_warps`` exist for tests and the benchmark's sweep.
+    ``num_splits``, ``block_n``, ``num_warps`` and ``max_registers`` exist for tests and the benchmark's sweep.
     """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
@@ -203,7 +224,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             F16=q.dtype != torch.float32, ASM=q.device.type == "cuda" and torch.version.cuda is not None,
-            num_warps=num_warps,
+            num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
             **shape,
         )
         _merge_kernel[(num_seqs, kv_heads)](
