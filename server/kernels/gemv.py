@@ -8,7 +8,10 @@ slab of BLOCK_N output rows and walks K with [BLOCK_N, BLOCK_K] tiles of W (BLOC
 has several programs per SM even for narrow N (qkv 6144, o/down 4096 rows): resident programs times
 pipeline stages keep enough bytes in flight, and no split-K pass (a second launch per projection)
 is needed. The sizes were reasoned from an offline sm_90 compile (registers, shared memory, PTX),
-not tuned on the GPU: bench/dense_gpu_check.py times them next to F.linear.
+not tuned on the GPU: bench/dense_gpu_check.py times them next to F.linear and sweeps alternatives,
+and MEASURED_M1 takes the ones measured faster. On sm_90 a launch is a programmatic dependent launch
+(server/kernels/pdl.py): the first K tile of W is in flight before the kernel waits for the one that
+wrote x, so in a decode graph the projection's ramp overlaps the previous kernel.
 
 Two bodies share the loop: one row (M == 1) multiplies on the CUDA cores and reduces once at the
 end; 2..16 rows pad to 16 and use the tensor cores with W as the wide operand (acc [BLOCK_N, 16]).
