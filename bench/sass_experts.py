@@ -6,7 +6,7 @@ of the K loop (the longest backward branch) per weight a thread handles in one i
 H200's copy bandwidth, 80% of it at 2 bits/weight leaves about 2.5 issued instructions per weight.
 Pointers, N, K and the weight/activation strides are marked divisible by 16, as a launch at these
 shapes specializes them (without it the loads are not vectorized and not pipelined through cp.async);
-the "cp.async" column says whether the GEMV body's weight loads are software-pipelined.
+the "cp.async" column says whether the GEMV body's weight loads are software-pipelined (moe.gemv_stages).
 This counts work, not time; speed comes only from `python bench/kernels.py experts` on the GPU.
 """
 

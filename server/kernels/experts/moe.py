@@ -157,10 +157,11 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
 
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
-# K steps whose weight loads are in flight at once (cp.async ring). With one step, a program waits a full
-# memory latency per ~1 KiB of weights, so a few programs per SM cannot keep HBM busy (measured: 25-35 %
-# of copy bandwidth); more stages multiply the bytes in flight. Module-level so benchmarks can sweep it.
-gemv_stages = 4
+# Software-pipeline depth of the GEMV K loop (tl.range num_stages; > 1 puts the weight loads in a cp.async
+# ring). Measured on the H200 (bench/kernels_experts.sweep_gemv, docs/BENCHMARKS.md 23:35 block): depth 4
+# or 6 made the deep decode 2-4x SLOWER than 1 (q2_0 T=1: 82 -> 246 us; e8p T=8: 771 -> 2108 us), so
+# the loop is not pipelined. Module-level so benchmarks can sweep it.
+gemv_stages = 1
 
 
 def _gemv_can_read(w: ExpertWeights) -> bool:
