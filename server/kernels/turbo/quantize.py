@@ -18,7 +18,7 @@ import triton.language as tl
 
 from server.kernels.rotation import rotate_rows
 from server.kernels.timing import timed
-from server.kernels.turbo.codes import store_indices
+from server.kernels.turbo.codes import centroid_of, store_indices
 from server.kernels.turbo.format import group_size
 
 ROWS_PER_PROGRAM = 16
@@ -59,15 +59,11 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
     n = tl.sqrt(tl.sum(xg * xg, axis=1))
     u = xg / tl.where(n > 0, n, 1.0)[:, None]  # a zero group stays zero
     y = rotate_rows(u, first_ptr, second_ptr, inv_sqrt, ROWS * NG, G, LOG2_G)
-    # Nearest centroid: walk the increasing midpoints; each one at or below y (a tie goes up) moves
-    # index and centroid one step up together, one select each (no separate centroids[idx] lookup).
     idx = tl.zeros((ROWS * NG, G), tl.int32)
-    c = tl.zeros((ROWS * NG, G), tl.float32) + tl.load(cent_ptr)
     for k in tl.static_range((1 << BITS) - 1):
-        above = y >= tl.load(mid_ptr + k)
-        idx = tl.where(above, k + 1, idx)
-        c = tl.where(above, tl.load(cent_ptr + k + 1), c)
-    idx = tl.where(n[:, None] > 0, idx, 0)  # a zero group: y == 0 picked the middle; the spec wants index 0
+        idx += (y >= tl.load(mid_ptr + k)).to(tl.int32)
+    idx = tl.where(n[:, None] > 0, idx, 0)
+    c = centroid_of(idx, cent_ptr, BITS)
     c_norm = tl.sqrt(tl.sum(c * c, axis=1))
     stored = tl.where(c_norm > 1e-10, n / c_norm, n)  # zero input: n == 0 gives norm 0
     row = (slot // PAGE_SIZE * H + head) * PAGE_SIZE + slot % PAGE_SIZE
