@@ -123,6 +123,16 @@ def check_correctness(device) -> list[str]:
     return lines
 
 
+def _decode_inputs(shape: dict, tokens: int, device, gen) -> tuple[list, int, int]:
+    """(8 input sets (x, weights, ids, first expert), how many to rotate through, experts per set)."""
+    sets = []
+    for g in range(8):
+        ids, w, first, m = routing_for(tokens, shape, g, device, gen)
+        x = torch.randn((tokens, shape["d"]), generator=gen, device=device, dtype=torch.bfloat16)
+        sets.append((x, w, ids, first))
+    return sets, min(8, shape["experts"] // m), m
+
+
 def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> list[Row]:
     gen = torch.Generator(device=device).manual_seed(1)
     d, i, e = shape["d"], shape["i"], shape["experts"]
@@ -133,12 +143,7 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> lis
         gu = random_weights(fmt, e, 2 * i, d, device, gen)
         dn = random_weights(fmt, e, d, i, device, gen)
         for tokens in token_counts:
-            sets = []
-            for g in range(8):
-                ids, w, first, m = routing_for(tokens, shape, g, device, gen)
-                x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
-                sets.append((x, w, ids, first))
-            n_sets = min(8, e // m)
+            sets, n_sets, m = _decode_inputs(shape, tokens, device, gen)
             used = sets[0][2].unique().numel()
             ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn), n_inputs=n_sets, device=device)
             base = time_ms(lambda j: bf16_bmm_moe(sets[j][0], sets[j][2], sets[j][1], base_gu, base_dn, sets[j][3], m),
@@ -242,12 +247,7 @@ def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8),
             gu = random_weights(fmt, e, 2 * i, d, device, gen)
             dn = random_weights(fmt, e, d, i, device, gen)
             for tokens in token_counts:
-                sets = []
-                for g in range(8):
-                    ids, w, first, m = routing_for(tokens, DEEP, g, device, gen)
-                    x = torch.randn((tokens, d), generator=gen, device=device, dtype=torch.bfloat16)
-                    sets.append((x, w, ids, first))
-                n_sets = min(8, e // m)
+                sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
                 nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
                 for depth, block_n in configs:
                     moe.gemv_stages, moe.GEMV_BLOCK_N = depth, block_n

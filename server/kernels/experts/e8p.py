@@ -73,7 +73,7 @@ def sign_table_packed() -> torch.Tensor:
 
     With p = popcount(s) & 1 and f = s ^ p (spec decode rule), nibble k holds 0xE where bit k of f
     is set (coordinate k negative; bits 1..3, so it masks 2·(2|x_k|)) and p in bit 0 of every
-    nibble (moe_triton._e8p_nibbles). One lookup replaces the per-code parity and bit spreading
+    nibble (moe_triton._e8p_code_nibbles). One lookup replaces the per-code parity and bit spreading
     (about 15 integer instructions per code); one word per code keeps it to one shared-memory or
     L1 access.
     """

@@ -1,5 +1,6 @@
 """E8P / residual codebooks: construction, exhaustive decode (reference and Triton), encoder, distortion."""
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -46,54 +47,37 @@ def test_residual_table_is_256_distinct_e8_points():
 
 @triton.jit
 def _decode_tile_kernel(codes_ptr, res_ptr, table_ptr, rtable_ptr, out_ptr, rout_ptr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHERED: tl.constexpr):
+    """4·w and 2·r of every code of a tile: through L1 loads (GEMM body) or, GATHERED, from tables held
+    in registers and looked up with tl.gather (GEMV body)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.arange(0, BLOCK_K // 8)
     ptrs = rows[:, None] * (BLOCK_K // 8) + g[None, :]
-    w4 = _e8p_nibbles(codes_ptr + ptrs, None, table_ptr, BLOCK_N, BLOCK_K, True) * 2 - 15
-    r2 = _residual_nibbles(res_ptr + ptrs, None, rtable_ptr, BLOCK_N, BLOCK_K, True) - 4
+    if GATHERED:
+        c = tl.load(codes_ptr + ptrs).to(tl.int32) & 0xFFFF
+        abs_word, sign_word = _lookup2(tl.load(table_ptr + tl.arange(0, 512)), c >> 8, (c & 0xFF) + 256)
+        w4 = _fields8(_e8p_code_nibbles(abs_word, sign_word), 4) * 2 - 15
+        r = tl.load(res_ptr + ptrs).to(tl.int32) & 0xFF
+        r2 = _fields8(_lookup(tl.load(rtable_ptr + tl.arange(0, 256)), r), 4) - 4
+    else:
+        w4 = _e8p_nibbles(codes_ptr + ptrs, None, table_ptr, BLOCK_N, BLOCK_K, True) * 2 - 15
+        r2 = _residual_nibbles(res_ptr + ptrs, None, rtable_ptr, BLOCK_N, BLOCK_K, True) - 4
     offs = rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
     tl.store(out_ptr + offs, w4)
     tl.store(rout_ptr + offs, r2)
 
 
-def test_triton_decode_of_every_e8p_and_residual_code_matches_reference():
+@pytest.mark.parametrize("gathered", [False, True], ids=["l1_loads", "gathered_tables"])
+def test_triton_decode_of_every_e8p_and_residual_code_matches_reference(gathered):
     codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).reshape(256, 256)
     res = (torch.arange(1 << 16) % 256).to(torch.uint8).reshape(256, 256)
     out = torch.empty((256, 256 * 8), dtype=torch.int32)
     rout = torch.empty_like(out)
     _decode_tile_kernel[(16,)](codes, res, e8p.kernel_table(), e8p.residual_table_packed(), out, rout,
-                               BLOCK_N=16, BLOCK_K=2048)
+                               BLOCK_N=16, BLOCK_K=2048, GATHERED=gathered)
     assert torch.equal(out.reshape(-1, 8).float() / 4, e8p.decode(torch.arange(1 << 16)))
     want_r = e8p.residual_table()[torch.arange(1 << 16) % 256]
     assert torch.equal(rout.reshape(-1, 8).float() / 2, want_r)
-
-
-@triton.jit
-def _gathered_decode_kernel(codes_ptr, res_ptr, table_ptr, rtable_ptr, out_ptr, rout_ptr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The GEMV body's decode: tables held in registers, looked up through tl.gather."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = rows[:, None] * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
-    c = tl.load(codes_ptr + ptrs).to(tl.int32) & 0xFFFF
-    abs_word, sign_word = _lookup2(tl.load(table_ptr + tl.arange(0, 512)), c >> 8, (c & 0xFF) + 256)
-    w4 = _fields8(_e8p_code_nibbles(abs_word, sign_word), 4) * 2 - 15
-    r = tl.load(res_ptr + ptrs).to(tl.int32) & 0xFF
-    r2 = _fields8(_lookup(tl.load(rtable_ptr + tl.arange(0, 256)), r), 4) - 4
-    offs = rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    tl.store(out_ptr + offs, w4)
-    tl.store(rout_ptr + offs, r2)
-
-
-def test_gathered_decode_of_every_e8p_and_residual_code_matches_reference():
-    codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).reshape(256, 256)
-    res = (torch.arange(1 << 16) % 256).to(torch.uint8).reshape(256, 256)
-    out = torch.empty((256, 256 * 8), dtype=torch.int32)
-    rout = torch.empty_like(out)
-    _gathered_decode_kernel[(16,)](codes, res, e8p.kernel_table(), e8p.residual_table_packed(), out, rout,
-                                   BLOCK_N=16, BLOCK_K=2048)
-    assert torch.equal(out.reshape(-1, 8).float() / 4, e8p.decode(torch.arange(1 << 16)))
-    assert torch.equal(rout.reshape(-1, 8).float() / 2, e8p.residual_table()[torch.arange(1 << 16) % 256])
 
 
 def test_sign_table_word_holds_parity_and_negative_nibbles():
