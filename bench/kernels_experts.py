@@ -12,6 +12,9 @@ kernels, top-k sum); the "kernels only" rows time the two fused launches alone, 
 weight bytes are the bandwidth numerator; at decode sizes that use the one-pair-per-program
 GEMV body (moe.use_gemv) a "GEMM body" row times the tl.dot body on the same inputs.
 
+The full run also prints two sweeps that inform the launch choices: GEMM-body decode tiles
+(moe._tile_shape) and GEMV pipeline depth / rows per program (moe.gemv_stages, moe.GEMV_BLOCK_N).
+
 EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a minute plus
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
 q2_0 and q1_0, no tile sweep, no prefill.

@@ -7,7 +7,8 @@ program per (pair, block of output rows): it reads pair p's expert id straight f
 (no padded blocks), decodes each code word with the same word-wide helpers as moe_triton.py,
 and multiplies on CUDA cores with the fields kept where they were decoded. The E8 tables are
 held in registers and looked up through tl.gather, which Triton runs from shared memory: the
-same random per-lane lookups through L1 serialize on cache lines (spec "Kernels").
+same random per-lane lookups through L1 serialize on cache lines (spec "Kernels"; measured
+1.2-1.3x on the H200, docs/BENCHMARKS.md).
 
 Exactness and cost per weight: a B-bit field c (an E8 nibble or residual nibble, B = 4; a q
 code, B = 1 or 2) becomes the float32 1 + c/2^B with one shift and one LOP3 (its bits placed
@@ -17,7 +18,8 @@ removed once per row (E8: Σa over K) or once per q block (Σa over the block) w
 precomputed activation sums:  Σ a·c = 2^B·(Σ a·(1 + c/2^B) - Σ a).
 The offset is 1, not a large MAGIC (moe_triton._dot), so the float32 error stays within a
 small factor (at most 8) of a plain dot product's; every lane keeps one accumulator per
-field it owns.
+E8 code position (a code's 8 products are summed in the thread that decoded it) or per q block
+and row it owns.
 """
 
 from __future__ import annotations
