@@ -74,7 +74,8 @@ class DenseMLP(nn.Module):
             with timed("gate_up_proj", x.device):
                 act = linear_silu_and_mul(x, self.gate_up_proj.weight)
         else:
-            gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+            with timed("gate_up_proj", x.device):
+                gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
             act = F.silu(gate) * up
         with timed("down_proj", x.device):
             return linear(act, self.down_proj.weight)
