@@ -31,8 +31,9 @@ from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SWEEP = ((64, 4, None), (64, 4, 128), (128, 8, None), (32, 4, None))  # (block_n, num_warps, max registers)
-DEFAULT = (attention.BLOCK_N, attention.NUM_WARPS, attention.MAX_REGISTERS)  # what the table rows run
+# (block_n, num_warps, max registers, pipeline stages); None: the compiler's choice
+DEFAULT = (attention.BLOCK_N, attention.NUM_WARPS, attention.MAX_REGISTERS, attention.NUM_STAGES)  # the table rows
+SWEEP = (DEFAULT, (64, 4, 128, None), (64, 4, None, 5), (128, 8, None, None), (32, 4, None, None))
 BATCHES, CONTEXTS = (1, 8, 32), (4096, 16384, 65536)
 CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
     (128, 4, "turbo3", "turbo3", [4099, 1000, 17, 1]), (128, 4, "turbo4", "turbo3", [16384, 33]),
@@ -127,16 +128,20 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
     qs = [torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
     scale = HEAD_DIM**-0.5
 
-    def ours(i, block_n, num_warps, max_registers):
+    def ours(i, config):
+        block_n, num_warps, max_registers, num_stages = config
         return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
-                                       block_n=block_n, num_warps=num_warps, max_registers=max_registers)
+                                       block_n=block_n, num_warps=num_warps, max_registers=max_registers,
+                                       num_stages=num_stages)
 
     rows = []
-    for block_n, num_warps, max_registers in configs:
-        ms = time_ms(lambda i: ours(i, block_n, num_warps, max_registers), n_inputs=n_inputs, device=device)
-        registers = "" if max_registers is None else f", <= {max_registers} registers"
-        rows.append(Row(f"decode {kind} b{batch} ctx{ctx // 1024}K", ms, bytes_moved=turbo_bytes,
-                        note=f"BLOCK_N={block_n}, {num_warps} warps{registers}"))
+    for config in configs:
+        ms = time_ms(lambda i: ours(i, config), n_inputs=n_inputs, device=device)
+        block_n, num_warps, max_registers, num_stages = config
+        note = f"BLOCK_N={block_n}, {num_warps} warps"
+        note += "" if max_registers is None else f", <= {max_registers} registers"
+        note += "" if num_stages is None else f", {num_stages} stages"
+        rows.append(Row(f"decode {kind} b{batch} ctx{ctx // 1024}K", ms, bytes_moved=turbo_bytes, note=note))
     return rows
 
 

@@ -2,8 +2,8 @@
 
 Correctness first (kernels_turbo.check_correctness: rotation, store, and the fused decode against
 decode-then-attend at real sizes in bf16), then our decode against bf16 SDPA at the shapes the
-targets name (batch 8 at 64K and 16K, batch 1 at 64K) for each tile/warp setting and programs
-per SM (the split count follows from it). Prints only: the recorded table comes from
+targets name (batch 8 at 64K and 16K, batch 1 at 64K) for each launch setting of
+kernels_turbo.SWEEP and programs per SM (the split count follows from it). Prints only: the recorded table comes from
 `python bench/kernels.py turbo`, run with the settings this sweep picks.
 """
 
@@ -18,7 +18,6 @@ from bench import kernels_turbo  # noqa: E402
 from bench.harness import require_gpu  # noqa: E402
 from server.kernels.turbo import attention  # noqa: E402
 
-TILES = ((64, 4, None), (64, 4, 128), (128, 8, None), (32, 4, None))  # (BLOCK_N, num_warps, max registers)
 PROGRAMS_PER_SM = (4, 8, 16)
 SHAPES = ((8, 65536), (8, 16384), (1, 65536))  # (batch, context)
 
@@ -31,7 +30,7 @@ def main() -> int:
         for kind in ("turbo3", "turbo4"):
             for programs in PROGRAMS_PER_SM:
                 attention.PROGRAMS_PER_SM = programs
-                for row in kernels_turbo._decode_case(batch, ctx, kind, device, TILES):
+                for row in kernels_turbo._decode_case(batch, ctx, kind, device, kernels_turbo.SWEEP):
                     print(f"{row.case}, {row.note}, {programs} programs/SM: {row.ours_ms:.4f} ms vs SDPA "
                           f"{sdpa:.4f} ms = {sdpa / row.ours_ms:.2f}x", flush=True)
     print("all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {failures}")

@@ -45,7 +45,8 @@ BLOCK_N = 64
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 1024  # shorter splits spend more on their Q rotation and partial outputs than they hide
-MAX_REGISTERS = None  # ptxas's choice (148 at 64 / 4: 3 programs per SM); the sweep also tries 128
+MAX_REGISTERS = None  # ptxas's choice (162 at 64 / 4: 3 programs per SM); the sweep also tries 128
+NUM_STAGES = None  # Triton's default (3) for the cp.async pipeline of the code loads; the sweep also tries 5
 
 
 @triton.jit
@@ -193,10 +194,11 @@ def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                             num_splits: int | None = None, block_n: int = BLOCK_N,
-                            num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS) -> torch.Tensor:
+                            num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
+                            num_stages: int | None = NUM_STAGES) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
-    ``num_splits``, ``block_n``, ``num_warps`` and ``max_registers`` exist for tests and the benchmark's sweep.
+    ``num_splits`` and the launch settings after it exist for tests and the benchmark's sweep.
     """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
@@ -225,6 +227,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             F16=q.dtype != torch.float32, ASM=q.device.type == "cuda" and torch.version.cuda is not None,
             num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
+            **({} if num_stages is None else {"num_stages": num_stages}),
             **shape,
         )
         _merge_kernel[(num_seqs, kv_heads)](

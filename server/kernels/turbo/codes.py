@@ -2,8 +2,8 @@
 
 Decoding, specs/turboquant.md "Decoding": a row's codes are read as 32-bit words and turned
 into *nibble selectors*: 32-bit words whose nibble k holds one value's index (turbo2/turbo3:
-index < 8 in bits 0-2, bit 3 clear; turbo4: the stored nibbles as they are). Two masks and a
-shift make them from the stored words (the turbo3 low plane is laid out for exactly that).
+index < 8 in bits 0-2, bit 3 clear; turbo4: the stored nibbles as they are). The row layout
+(format.py) makes that one mask and at most one shift per bit plane.
   * fp16 operands (the GPU case): a byte-permute lookup. The fp16 centroids' low bytes and
     high bytes sit in 2 + 2 registers; PRMT picks 4 bytes by 4 selector nibbles, so 4 values
     cost 2 lookups + 2 interleaves (turbo4: 16 centroids = 2 tables of 8 and a byte select by
@@ -106,17 +106,15 @@ def pack_words(fields, ROWS: tl.constexpr, N: tl.constexpr, WIDTH: tl.constexpr)
 
 
 @triton.jit
-def split_words(words, WIDTH: tl.constexpr, LEVELS: tl.constexpr, UP: tl.constexpr):
-    """[R, C] int32 words -> [R, C, 2^LEVELS]: field k of each word at bit UP (NOT masked).
+def split_words(words, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+    """[R, C] int32 words -> [R, C, 2^LEVELS]: field k of each word at bit 0 (NOT masked).
 
     A halving tree of tl.join: level l pairs every word with itself shifted right by half of
     its remaining fields, so field k = sum of the level choices ends up at position k. The
     joined axes stay inside the thread that loaded the word: about one shift per value and no
-    shared-memory round trip. UP (< half a word) lifts every field at the first level, where
-    no bit of the half kept low is lost yet.
+    shared-memory round trip.
     """
-    HALF_BITS: tl.constexpr = WIDTH << (LEVELS - 1)
-    x = tl.join(words << UP, words >> (HALF_BITS - UP))
+    x = tl.join(words, words >> (WIDTH << (LEVELS - 1)))
     for level in tl.static_range(1, LEVELS):
         x = tl.join(x, x >> (WIDTH << (LEVELS - 1 - level)))
     return tl.reshape(x, (words.shape[0], words.shape[1], 1 << LEVELS))
@@ -211,7 +209,7 @@ def _broadcast8(x):
 def _expand(sel, table_ptr, BITS: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr):
     """Selector words [R, C] -> [R, C, 8]: fp16 centroids (LOOKUP) or int32 indices of nibbles 0-7."""
     if not LOOKUP:
-        x = split_words(sel, 4, 3, 0) & ((1 << BITS) - 1)
+        x = split_words(sel, 4, 3) & ((1 << BITS) - 1)
     else:
         t0 = _table_word(table_ptr, 0, ASM)
         t1 = _table_word(table_ptr, 1, ASM)
