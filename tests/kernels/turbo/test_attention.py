@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
+from server.kernels.turbo import attention
+from server.kernels.turbo.attention import attention_over_decoded_pages, choose_splits, decode_attention_triton
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, unpack_indices
 from server.kernels.turbo.quantize import store_turbo_triton
@@ -123,6 +124,21 @@ def test_fused_decode_serves_any_length_under_a_capture_time_hint():
     out = decode_attention_triton(padded_q, store.k, store.v, hinted, 0.125, store.signs, store.inv_sqrt)
     assert_close(out[:2], want, 2e-5, "decode planned for 1000 tokens")
     assert out[2].eq(0).all(), "a seq_len-0 padding row must come out zero (and read no page)"
+
+
+@pytest.mark.parametrize("batch,context", [(1, 65536), (8, 65536), (8, 16384), (1, 4096), (32, 65536), (2, 100)])
+def test_split_count_fills_the_gpu_without_needlessly_short_splits(monkeypatch, batch, context):
+    """About PROGRAMS_PER_SM programs per SM, splits of at least MIN_SPLIT_TOKENS unless SMs would idle."""
+    sms, kv_heads = 132, 8
+    monkeypatch.setattr(attention, "_sm_count", lambda device: sms)
+    splits = choose_splits(batch, kv_heads, context, torch.device("cuda"))
+    rows = batch * kv_heads
+    assert 1 <= splits <= -(-context // attention.BLOCK_N)
+    assert rows * (splits - 1) < attention.PROGRAMS_PER_SM * sms, f"{splits} splits overshoot the program target"
+    short = context / splits < attention.MIN_SPLIT_TOKENS
+    assert not short or rows * (splits - 1) < sms, f"{splits} splits of {context / splits:.0f} tokens"
+    if context == 65536 and batch == 1:
+        assert splits == 64  # 512 programs of 1024 tokens: the measured best at b1/64K (docs/BENCHMARKS.md)
 
 
 def test_negative_slots_store_nothing():
