@@ -63,7 +63,7 @@ SKIPPED_TOKENS = 1  # the attention sink
 # Where a's and b's positions are taken (first positions of each run); runs that would pass the
 # model's served length are left out. 2048 tokens: the context the quality table measures.
 POSITION_SHIFTS = (0, 512, 1024, 1536)
-MAX_SCALE_EXPONENT = 20  # s, t within 2^-20 .. 2^20 whatever the statistics (a dead channel has a = 0)
+MAX_SCALE_EXPONENT = 8  # s, t within 2^-8 .. 2^8 whatever the statistics (a dead channel has a = 0)
 
 
 class _Recorder:

@@ -31,6 +31,9 @@ from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
 
+# Scales beyond 2^+-16 would push fp16 queries or outputs out of their range (and no statistics call for them).
+MAX_SCALE_LOG2 = 16
+
 
 def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
     book = codebook(layout.bits, layout.group)
@@ -90,10 +93,11 @@ class TurboKVStore:
             if not torch.isfinite(t).all():
                 raise ValueError(f"{name} must be finite; a NaN or infinity would poison every row it touches")
         for name, t in (("k_scale", scales[0]), ("v_scale", scales[1])):
-            mantissa, exponent = torch.frexp(t.float())
-            if not (mantissa == 0.5).all() or exponent.abs().max() > 64:
-                raise ValueError(f"{name} must hold powers of two between 2^-64 and 2^64 (so that q / s and "
-                                 f"out / t stay exact in fp16/bf16); round log2 of each scale to an integer")
+            mantissa, exponent = torch.frexp(t.float())  # 2^e = 0.5 * 2^(e + 1)
+            if not (mantissa == 0.5).all() or (exponent - 1).abs().max() > MAX_SCALE_LOG2:
+                raise ValueError(f"{name} must hold powers of two between 2^-{MAX_SCALE_LOG2} and "
+                                 f"2^{MAX_SCALE_LOG2} (so that q / s and out / t stay exact in fp16/bf16); round "
+                                 "log2 of each scale to an integer in that range")
         # In place: captured CUDA graphs keep reading these tensors.
         self.k_offset.copy_(offset)
         for stored, multiplier, t in ((self.k_scale, self.q_multiplier, scales[0]),
@@ -144,7 +148,8 @@ class TurboKVStore:
             return self._attend_stored(q, meta, scale)
         # Two small elementwise launches per layer and step (the class docstring says why they are exact).
         by_kv_head = (q.shape[0], self.num_kv_heads, q.shape[1] // self.num_kv_heads, self.head_dim)
-        out = self._attend_stored((q.reshape(by_kv_head) * self.q_multiplier.to(q.dtype)).reshape(q.shape), meta, scale)
+        q_stored = (q.reshape(by_kv_head) * self.q_multiplier.to(q.dtype)).reshape(q.shape)
+        out = self._attend_stored(q_stored, meta, scale)
         return (out.reshape(by_kv_head) * self.out_multiplier.to(out.dtype)).reshape(q.shape)
 
     def _attend_stored(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

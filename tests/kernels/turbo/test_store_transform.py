@@ -105,11 +105,13 @@ def test_default_transform_is_the_identity_and_bad_ones_are_refused():
     assert not store.scaled and store.k_scale.eq(1).all() and store.v_scale.eq(1).all()
     good = torch.ones(2, 64)
     for bad, match in ((torch.full((2, 64), 3.0), "powers of two"), (-good, "powers of two"),
-                       (torch.zeros(2, 64), "powers of two"), (torch.full((2, 64), 2.0**80), "powers of two"),
+                       (torch.zeros(2, 64), "powers of two"), (torch.full((2, 64), 2.0**17), "powers of two"),
+                       (torch.full((2, 64), 2.0**-17), "powers of two"),
                        (torch.ones(64), r"k_scale must have shape \[2, 64\]"),
                        (torch.full((2, 64), float("inf")), "finite")):
         with pytest.raises(ValueError, match=match):
             store.set_transform(None, bad, good)
     assert not store.scaled and store.k_scale.eq(1).all(), "a refused transform must leave the old one in place"
-    store.set_transform(None, good, good * 0.25)
+    store.set_transform(None, good * 2.0**16, good * 0.25)  # 2^16 is the largest accepted
     assert store.scaled and store.out_multiplier.eq(4).all() and store.out_multiplier.dtype == torch.float16
+    assert store.q_multiplier.eq(2.0**-16).all(), "1 / s must be exact in the compute dtype"
