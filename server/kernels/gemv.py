@@ -61,7 +61,13 @@ PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a 
 TILE_ELEMENTS = 8192
 # One-row configurations measured faster than the rule in _config, by shape:
 # (N, K, fused epilogue) -> (BLOCK_N, BLOCK_K, STAGES). bench/dense_gpu_check.py sweeps and prints them.
-MEASURED_M1: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
+# Llama-3-8B's projections on one H200 (2026-11-29, docs/BENCHMARKS.md): the decode graph went from
+# 3983 to 3921 us a step. Any valid configuration is correct on any GPU; only its speed was measured here.
+MEASURED_M1: dict[tuple[int, int, bool], tuple[int, int, int]] = {
+    (6144, 4096, True): (4, 512, 4),  # qkv + RoPE
+    (28672, 4096, True): (2, 1024, 3),  # gate_up + SiLU*up
+    (4096, 14336, False): (8, 512, 4),  # down
+}
 
 
 @triton.jit
