@@ -77,8 +77,7 @@ def _block_rows(t0, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_nor
 @triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
-                   inv_sqrt,
-                   qk_scale, q_mult_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
+                   inv_sqrt, qk_scale, q_mult_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
                    H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
