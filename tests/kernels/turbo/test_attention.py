@@ -95,7 +95,8 @@ def test_fused_decode_matches_reference_and_float64(head_dim, gqa, k_kind, v_kin
 @pytest.mark.parametrize("head_dim,gqa,k_kind,v_kind", [(128, 4, "turbo3", "turbo4"), (256, 2, "turbo2", "turbo3")])
 def test_fused_decode_with_half_queries_uses_fp16_operands_within_their_rounding(head_dim, gqa, k_kind, v_kind):
     """fp16/bf16 queries (the GPU case) decode centroids and run both dots in fp16, accumulating in fp32."""
-    store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, gqa, head_dim, k_kind, v_kind, seed=5)
+    lengths = [1, PAGE + 1, 45]  # page boundaries are the fp32 test's job; the fp16 lookup model is slow to interpret
+    store, meta, q = scenario(lengths, [1] * len(lengths), 2, gqa, head_dim, k_kind, v_kind, seed=5)
     q = q.half()
     want = oracle(q.double(), store, meta, head_dim**-0.5)
     fused = decode_attention_triton(q, store.k, store.v, meta, head_dim**-0.5, store.signs, store.inv_sqrt,
@@ -107,7 +108,7 @@ def test_fused_decode_with_half_queries_uses_fp16_operands_within_their_rounding
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
 def test_fused_decode_applies_per_channel_multipliers_to_queries_and_outputs(dtype, tol):
     """multipliers=(a, b): the output is b * attention(a * q) per KV head and channel (TurboKVStore's 1 / s, 1 / t)."""
-    store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, 3, 128, "turbo3", "turbo4", seed=11)
+    store, meta, q = scenario([3, PAGE + 1, 40], [1] * 3, 2, 3, 128, "turbo3", "turbo4", seed=11)
     q = q.to(dtype)
     a = (2.0 ** torch.randint(-3, 4, (2, 1, 128))).to(dtype)
     b = (2.0 ** torch.randint(-3, 4, (2, 1, 128))).to(dtype)
