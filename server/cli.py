@@ -63,8 +63,9 @@ def env_name(flag: str) -> str:
 def add_argument(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     """parser.add_argument whose default may come from TURBOSERVE_<FLAG>."""
     env = os.environ.get(env_name(flag))
-    if kwargs.get("action") == "store_true":
-        kwargs["default"] = parse_bool(env) if env is not None else False
+    if kwargs.get("action") in ("store_true", "store_false"):  # the env var, like the flag, says "on"
+        on = parse_bool(env) if env is not None else False
+        kwargs["default"] = on if kwargs["action"] == "store_true" else not on
     elif env is not None:
         if "choices" in kwargs and env not in kwargs["choices"]:
             parser.error(f"{env_name(flag)}={env!r}: expected one of {', '.join(kwargs['choices'])}")
@@ -94,6 +95,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_argument(parser, "--max-queue", type=int, default=256, help="waiting requests before 503")
     add_argument(parser, "--seed", type=int, default=0, help="base seed")
     add_argument(parser, "--enforce-eager", action="store_true", help="disable CUDA graphs")
+    add_argument(parser, "--no-async-scheduling", dest="async_scheduling", action="store_false",
+                 help="read each decode step's tokens back before launching the next")
     add_argument(parser, "--kernel-timing-sample-rate", type=float, default=0.01,
                  help="share of steps whose kernels are timed; 0 disables")
     add_argument(parser, "--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -106,7 +109,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_memory=args.kv_cache_memory,
         page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue, seed=args.seed,
-        enforce_eager=args.enforce_eager, kernel_timing_sample_rate=args.kernel_timing_sample_rate)
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        kernel_timing_sample_rate=args.kernel_timing_sample_rate)
 
 
 def configure_logging(level: str) -> None:

@@ -27,6 +27,7 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond which submit() refuses
     seed: int = 0
     enforce_eager: bool = False  # disable CUDA graphs
+    async_scheduling: bool = True  # launch the next decode step before reading this one's tokens back
     kernel_timing_sample_rate: float = 0.01  # fraction of steps whose kernels are timed; 0 disables
 
 

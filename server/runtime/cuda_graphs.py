@@ -119,7 +119,8 @@ class DecodeGraphs:
                              meta.block_tables.cpu().numpy())  # fmt: skip
 
     def run_host(
-        self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], block_tables: np.ndarray
+        self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], block_tables: np.ndarray,
+        device_ids: torch.Tensor | None = None,  # [n] token ids still on the device: replace input_ids
     ) -> torch.Tensor:  # fmt: skip
         """Hidden states [n, hidden] of a decode batch given on the host (check ``can_run`` first)."""
         n, width = len(input_ids), block_tables.shape[1]
@@ -135,6 +136,8 @@ class DecodeGraphs:
         used32 = largest + size * self.block_tables.shape[1]
         self._inputs64.copy_(self._host64, non_blocking=True)
         self._inputs32[:used32].copy_(self._host32[:used32], non_blocking=True)
+        if device_ids is not None:
+            self._inputs64[0, :n].copy_(device_ids)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

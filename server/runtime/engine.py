@@ -122,8 +122,10 @@ class Engine:
         self._requests: dict[str, Sequence] = {}  # live requests, submit() until finished
         # (seq, token, whether the token ended it, when it arrived): published during the next step
         self._unpublished: list[tuple[Sequence, int, bool, float]] = []
-        self._in_flight: set[Sequence] = set()  # sequences of the step whose kernels are running
+        self._in_flight: set[Sequence] = set()  # sequences of the steps whose kernels are running
         self._deferred_release: list[Sequence] = []  # ended while in flight: pages return after it
+        # (chunks, launched step, launch failure) of a decode step launched ahead (async scheduling)
+        self._ahead: tuple[list[ScheduledChunk], LaunchedStep | None, Exception | None] | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics = EngineMetrics(self.model_name)
@@ -301,35 +303,40 @@ class Engine:
                 self.step()
             except Exception as exc:  # a bug outside the model call: fail everyone rather than spin
                 log.exception("engine step failed outside the model; failing all live requests")
+                self._ahead = None
                 self._release_deferred()
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._finish(seq, "error", error=f"internal engine error: {exc!r}")
         self._publish()
+        self._ahead = None  # never collected: nothing reuses its pages after the loop
+        self._release_deferred()
         with self._cond:
             live = list(self._requests.values())
         for seq in live:
             self._finish(seq, "abort")
 
     def step(self) -> None:
-        """One step: launch it, publish the previous step's outputs while the device works
-        (detokenization and callbacks are host work that would otherwise leave it idle), then
-        take this step's tokens."""
+        """One step: launch it (or take the one launched ahead), launch the next decode step
+        ahead when the scheduler can tell it already (async scheduling: the device goes on
+        while the host reads tokens back and schedules), publish the previous step's outputs
+        while the device works (detokenization and callbacks are host work that would
+        otherwise leave it idle), then take this step's tokens."""
         timing.begin_step()
         started, preemptions = time.monotonic(), self.scheduler.num_preemptions
-        chunks = self.scheduler.schedule()
-        for chunk in chunks:
-            chunk.seq.timeline.on_scheduled(started)
+        if self._ahead is not None:
+            (chunks, launched, failure), self._ahead = self._ahead, None
+        else:
+            chunks = self.scheduler.schedule()
+            launched, failure = self._launch(chunks, started)
         self._in_flight = {chunk.seq for chunk in chunks}
-        launched, failure = None, None
-        if chunks:
-            try:
-                launched = self.runner.launch(chunks)
-            except Exception as exc:
-                failure = exc
+        if launched is not None and self.config.async_scheduling and not (self._inbox or self._aborts):
+            ahead = self.scheduler.schedule_ahead(chunks)
+            if ahead:
+                self._ahead = (ahead, *self._launch(ahead, started, after=launched))
         self._publish()
         if chunks:
             results = self._collect(chunks, launched, failure)
-            self._release_deferred()
+            self._release_deferred(still_in_flight=[] if self._ahead is None else self._ahead[0])
             arrived = time.monotonic()
             for chunk, result in zip(chunks, results):
                 try:
@@ -346,6 +353,18 @@ class Engine:
             pages_used=self.kv_cache.num_used_pages,
         )  # fmt: skip
 
+    def _launch(
+        self, chunks: list[ScheduledChunk], now: float, after: LaunchedStep | None = None
+    ) -> tuple[LaunchedStep | None, Exception | None]:
+        for chunk in chunks:
+            chunk.seq.timeline.on_scheduled(now)
+        if not chunks:
+            return None, None
+        try:
+            return self.runner.launch(chunks, after), None
+        except Exception as exc:
+            return None, exc
+
     def _collect(
         self, chunks: list[ScheduledChunk], launched: LaunchedStep | None, failure: Exception | None
     ) -> list[ChunkResult | Exception]:
@@ -354,6 +373,9 @@ class Engine:
                 return self.runner.collect(launched)
             except Exception as exc:
                 failure = exc
+        # A step launched ahead took this step's tokens as input: drop it. Its ahead chunks
+        # only wrote K/V past every sequence's known tokens, which a later step overwrites.
+        self._ahead = None
         log.warning("step of %d sequences failed (%r); retrying each alone to find the culprit", len(chunks), failure)
         return [self._execute_alone(chunk) for chunk in chunks]
 
@@ -430,11 +452,16 @@ class Engine:
             self.metrics.kv.on_request_freed(len(seq.block_table))
         self.scheduler.remove(seq)
 
-    def _release_deferred(self) -> None:
-        self._in_flight = set()
-        for seq in self._deferred_release:
-            self._release(seq)
-        self._deferred_release = []
+    def _release_deferred(self, still_in_flight: list[ScheduledChunk] = ()) -> None:
+        """Return the pages of sequences that ended while in flight, except those a step launched
+        ahead still writes."""
+        self._in_flight = {chunk.seq for chunk in still_in_flight}
+        deferred, self._deferred_release = self._deferred_release, []
+        for seq in deferred:
+            if seq in self._in_flight:
+                self._deferred_release.append(seq)
+            else:
+                self._release(seq)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End ``seq`` now (abort, error) and send its final output."""

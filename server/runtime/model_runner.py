@@ -107,7 +107,7 @@ class ModelRunner:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             first_row = len(ids)
             row_starts.append(first_row)
-            ids += seq.token_ids[start : start + n]
+            ids += [0] if chunk.ahead else seq.token_ids[start : start + n]  # ahead: the device fills it in
             positions += range(start, start + n)
             slots += self.kv_cache.slots(seq, start, n)
             block_tables[i, : len(seq.block_table)] = seq.block_table
@@ -137,24 +137,30 @@ class ModelRunner:
         )
         return StepInputs(flat[:t], flat[t : 2 * t], meta)
 
-    def forward(self, batch: HostBatch) -> torch.Tensor:
-        """The model call; decode-only steps that fit a captured size replay a CUDA graph."""
+    def forward(self, batch: HostBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The model call; decode-only steps that fit a captured size replay a CUDA graph.
+        ``device_ids`` (async scheduling) replaces the batch's token ids with ones still on the device."""
         self.used_cuda_graph = self.graphs is not None and self.graphs.can_run(
             len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1]
         )
         if self.used_cuda_graph:
-            return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables)
+            return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,
+                                        device_ids)  # fmt: skip
         inputs = self.prepare(batch)
+        if device_ids is not None:
+            inputs.input_ids.copy_(device_ids)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
         return self.collect(self.launch(chunks))
 
     @torch.inference_mode()
-    def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
-        """Queue the step's kernels (forward, logits, sampling) without waiting for them."""
+    def launch(self, chunks: list[ScheduledChunk], after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's kernels (forward, logits, sampling) without waiting for them.
+        ``after``: the step in flight whose sampled tokens are this step's input, one per chunk in
+        order (chunks from Scheduler.schedule_ahead)."""
         batch = self.batch(chunks)
-        hidden = self.forward(batch)
+        hidden = self.forward(batch, None if after is None else after.tokens)
         step = LaunchedStep(chunks, batch.row_starts)
         if not batch.logit_rows:
             return step
@@ -173,7 +179,7 @@ class ModelRunner:
                 step.sample_logits = step.logits
             seqs = [chunks[i].seq for i in step.sampling]
             with timed("sampling", self.device):
-                tensors = SamplingTensors.from_sequences(seqs, step.logits.shape[1], self.device)
+                tensors = SamplingTensors.from_sequences(seqs, step.logits.shape[1], self.device, after is not None)
                 step.tokens = sample(step.sample_logits, tensors)
         return step
 

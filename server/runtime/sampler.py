@@ -110,7 +110,11 @@ class SamplingTensors:
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after logits
 
     @classmethod
-    def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
+    def from_sequences(
+        cls, seqs: list[Sequence], vocab_size: int, device: torch.device, ahead: bool = False
+    ) -> SamplingTensors:
+        """``ahead``: the step samples each sequence's token after the one still on the device, so
+        its noise is keyed one generated token further than the host has seen."""
         params = [s.params for s in seqs]
         penalized = any(
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
@@ -125,7 +129,7 @@ class SamplingTensors:
             for p, k in zip(params, top_k)
         ]
         floats = to_device(torch.tensor(columns, dtype=torch.float32), device)  # top_k < 2**24: exact in float32
-        keys = [row_key(s.seed, s.num_generated_tokens) for s in seqs]
+        keys = [row_key(s.seed, s.num_generated_tokens + ahead) for s in seqs]
         return cls(
             all_greedy=False,
             use_min_p=any(p.min_p > 0 and not p.greedy for p in params),

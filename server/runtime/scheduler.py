@@ -10,6 +10,14 @@ then running prefills, then new admissions from the head of ``waiting`` while pa
 free. When a running sequence needs a page and none is free, the sequence at the back
 of this step's queue (the newest prefill, else the newest decode) is preempted: its
 pages are freed and it goes back to the head of ``waiting`` to be recomputed.
+
+Async scheduling: while a decode step runs, ``schedule_ahead`` can already schedule the
+next one, whose single token per sequence is the one the running step is sampling (still
+on the device). It does so only when nothing else would have been scheduled differently:
+every running sequence decodes, none waits, none can reach max_tokens in the running
+step, the pages are free without preempting, and no sampler needs the token history on
+the host (penalties). A sequence that a stop token or string ends in the running step
+just wastes its ahead token, as it does today for a stop string seen one step late.
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens)
     num_tokens: int
+    ahead: bool = False  # its one token is being sampled by the step in flight (not on the host yet)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits pick the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.ahead or self.start + self.num_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -83,6 +92,28 @@ class Scheduler:
             chunks.append(self._take(seq, n))
             budget -= n
         return chunks
+
+    def schedule_ahead(self, in_flight: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The decode step after ``in_flight``, scheduled before its tokens are known; [] when
+        that step could differ from what ``schedule`` will decide once they are (module doc)."""
+        seqs = [c.seq for c in in_flight]
+        if self.waiting or len(seqs) != len(self.running) or len(seqs) > self.max_num_batched_tokens:
+            return []
+        for chunk, seq in zip(in_flight, seqs):
+            p = seq.params
+            if (
+                not (chunk.num_tokens == 1 and chunk.samples)
+                or seq.finish_reason is not None
+                or seq.num_generated_tokens + 2 > p.max_tokens  # the step in flight may be its last
+                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            ):  # fmt: skip
+                return []
+        new_pages = sum(self.kv_cache.pages_for(s.num_tokens + 1) - len(s.block_table) for s in seqs)
+        if new_pages > self.kv_cache.num_free_pages:
+            return []
+        for seq in seqs:
+            self.kv_cache.grow(seq, seq.num_tokens + 1)
+        return [ScheduledChunk(seq, seq.num_tokens, 1, ahead=True) for seq in seqs]
 
     def _take(self, seq: Sequence, n: int) -> ScheduledChunk:
         self.kv_cache.grow(seq, seq.num_computed_tokens + n)

@@ -23,7 +23,10 @@ def test_serve_flags_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("TURBOSERVE_KV_CACHE_DTYPE", "turbo3")
     monkeypatch.setenv("TURBOSERVE_KERNEL_TIMING_SAMPLE_RATE", "0.5")
     monkeypatch.setenv("TURBOSERVE_ENFORCE_EAGER", "1")
+    assert build_parser().parse_args(["serve"]).async_scheduling is True
+    monkeypatch.setenv("TURBOSERVE_NO_ASYNC_SCHEDULING", "1")
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.kv_cache_dtype, args.kernel_timing_sample_rate, args.enforce_eager) == (
         "0.0.0.0", "turbo3", 0.5, True
     )  # fmt: skip
+    assert args.async_scheduling is False

@@ -134,6 +134,19 @@ def make_engine(loaded: ToyLoaded, num_pages: int = 512, **config) -> "Engine":
     return engine
 
 
+def assert_pages_return(engine: "Engine", timeout: float = 10.0) -> None:
+    """Every page is free again. A request's final output can go out while a step launched
+    ahead (async scheduling) still writes its pages; they return right after that step."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while engine.kv_cache.num_free_pages != engine.kv_cache.num_pages and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages, (
+        f"{engine.kv_cache.num_pages - engine.kv_cache.num_free_pages} pages still used {timeout}s after the last output"
+    )
+
+
 class Collector:
     """on_output callbacks for many requests; ``wait()`` until all have finished."""
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from runtime_toy import EOS, Collector, make_engine, run_all, toy_loaded
+from runtime_toy import EOS, Collector, assert_pages_return, make_engine, run_all, toy_loaded
 
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.runtime.engine import EngineOverloaded, RequestRejected
@@ -128,7 +128,7 @@ def test_preempted_sequences_resume_identically_and_free_every_page(loaded):
     try:
         results = run_all(tight, requests)
         assert tight.scheduler.num_preemptions > 0, "the pool was never short: the test proves nothing"
-        assert tight.kv_cache.num_free_pages == tight.kv_cache.num_pages
+        assert_pages_return(tight)
     finally:
         tight.shutdown()
     for rid in requests:
@@ -166,7 +166,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_all_pages(loaded):
         assert results["long"].finish_reason == "abort" and results["long"].token_ids == []
         assert results["decoding"].finish_reason == "abort" and len(results["decoding"].token_ids) < 200
         assert results["ticker"].finish_reason == "length"
-        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+        assert_pages_return(engine)
     finally:
         engine.shutdown()
 
@@ -191,7 +191,7 @@ def test_exception_in_a_step_fails_only_the_affected_request(loaded):
             assert results[rid].token_ids == greedy_by_full_recompute(loaded, p, 12), rid
         again = engine.generate(prompt(9), GREEDY)  # the loop still serves
         assert again.finish_reason == "length" and engine.is_alive()
-        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+        assert_pages_return(engine)
     finally:
         del engine.model.forward
         engine.shutdown()
@@ -215,7 +215,7 @@ def test_requests_that_can_never_be_served_are_rejected_at_submit(loaded):
             with pytest.raises(RequestRejected) as err:
                 engine.submit(f"bad{i}", ids, params, noop)
             assert err.value.param == param, f"case {i}: {err.value}"
-        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+        assert_pages_return(engine)
         assert engine.generate(prompt(20), GREEDY).finish_reason == "length"  # 32 tokens: exactly fits
     finally:
         engine.shutdown()
@@ -276,7 +276,7 @@ def test_stop_token_ids_eos_and_stop_strings(loaded):
         assert by_string.text == full_text[: full_text.index(stop_str)]
         completing = next(k for k in range(1, 13) if stop_str in loaded.tokenizer.decode(free_run[:k]))
         assert by_string.token_ids == free_run[:completing], "tokens after the stop string leaked out"
-        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+        assert_pages_return(engine)
         assert EOS not in by_string.token_ids
     finally:
         engine.shutdown()
@@ -288,7 +288,8 @@ def test_shutdown_ends_live_requests_with_abort_and_refuses_new_ones(loaded):
     engine.submit("live", prompt(100), SamplingParams(max_tokens=300, ignore_eos=True), collector.callback("live"))
     engine.shutdown()
     assert collector.wait()["live"].finish_reason == "abort"
-    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages and not engine.is_alive()
+    assert_pages_return(engine)
+    assert not engine.is_alive()
     with pytest.raises(RuntimeError, match="not running"):
         engine.submit("late", prompt(3), GREEDY, lambda out: None)
 
@@ -311,7 +312,7 @@ def test_a_failure_while_publishing_fails_only_that_request(loaded):
         results = run_all(engine, {"good": (good_prompt, GREEDY), "bad": ([3, 4, poison], GREEDY)})
         assert results["bad"].finish_reason == "error" and "injected decode fault" in results["bad"].error
         assert results["good"].finish_reason == "length" and results["good"].token_ids == expected
-        assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+        assert_pages_return(engine)
     finally:
         engine.shutdown()
 

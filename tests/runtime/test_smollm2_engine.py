@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_toy import run_all
+from runtime_toy import assert_pages_return, run_all
 
 from server.config import EngineConfig
 from server.runtime.engine import Engine
@@ -41,4 +41,4 @@ def test_smollm2_greedy_is_the_same_alone_and_batched_with_chunked_prefill(engin
     alone = {q: engine.generate(chat(engine, q), params).token_ids for q in questions}
     batched = run_all(engine, {q: (chat(engine, q), params) for q in questions})
     assert {q: r.token_ids for q, r in batched.items()} == alone
-    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages
+    assert_pages_return(engine)

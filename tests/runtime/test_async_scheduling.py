@@ -1,0 +1,191 @@
+"""Async scheduling: a decode step launched before the previous step's tokens reach the host
+changes nothing a client can see, and its pages come back."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from runtime_toy import Collector, assert_pages_return, make_engine, run_all, toy_loaded
+
+from server.config import EngineConfig
+from server.runtime.kv_cache import KVCache, KVLayout
+from server.runtime.scheduler import Scheduler
+from server.runtime.sequence import SamplingParams, Sequence
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return toy_loaded(seed=11)
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(salt * 37 + 11 * i) % 256 for i in range(n)]
+
+
+def count_ahead_steps(engine) -> list[int]:
+    """Wrap schedule_ahead to keep the size of every step it launched."""
+    sizes, schedule_ahead = [], engine.scheduler.schedule_ahead
+
+    def recording(in_flight):
+        chunks = schedule_ahead(in_flight)
+        if chunks:
+            sizes.append(len(chunks))
+        return chunks
+
+    engine.scheduler.schedule_ahead = recording
+    return sizes
+
+
+def requests_of_every_kind(free_run: list[int], stop_str: str) -> dict[str, tuple[list[int], SamplingParams]]:
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    return {
+        "greedy": (prompt(13, 1), SamplingParams(max_tokens=24, **greedy)),
+        "seeded": (prompt(9, 2), SamplingParams(max_tokens=20, temperature=1.2, top_p=0.9, seed=7, ignore_eos=True)),
+        "logprobs": (prompt(5, 3), SamplingParams(max_tokens=18, logprobs=3, **greedy)),
+        "one_token": (prompt(7, 4), SamplingParams(max_tokens=1, **greedy)),
+        "two_tokens": (prompt(30, 5), SamplingParams(max_tokens=2, **greedy)),
+        "stop_token": (prompt(6, 0), SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[free_run[5]])),
+        "stop_string": (prompt(6, 0), SamplingParams(max_tokens=24, stop=[stop_str], **greedy)),
+        "penalized": (prompt(11, 6), SamplingParams(max_tokens=4, repetition_penalty=1.3, **greedy)),  # blocks ahead steps while it runs
+    }
+
+
+def flat_logprobs(finished) -> list[tuple[list[int], float]]:
+    """(chosen then top token ids, chosen logprob) of every generated token that carried logprobs."""
+    return [
+        ([lp.token_id] + [t for t, _ in lp.top], lp.logprob)
+        for out in finished.outputs
+        for lp in out.logprobs or []
+    ]
+
+
+def run_engine(loaded, requests, async_scheduling: bool):
+    engine = make_engine(loaded, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    ahead = count_ahead_steps(engine)
+    try:
+        results = run_all(engine, requests)
+        assert_pages_return(engine)
+    finally:
+        engine.shutdown()
+    return results, ahead
+
+
+def test_outputs_with_async_scheduling_equal_the_synchronous_engine(loaded):
+    engine = make_engine(loaded)
+    try:
+        free_run = engine.generate(prompt(6, 0), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    stop_str = loaded.tokenizer.decode(free_run.token_ids[8:10])
+    requests = requests_of_every_kind(free_run.token_ids, stop_str)
+    sync, none_ahead = run_engine(loaded, requests, async_scheduling=False)
+    async_, ahead = run_engine(loaded, requests, async_scheduling=True)
+    assert not none_ahead
+    assert len(ahead) >= 5, f"only {len(ahead)} steps were launched ahead: the test proves little"
+    for rid in requests:
+        a, s = async_[rid], sync[rid]
+        assert (a.token_ids, a.text, a.finish_reason) == (s.token_ids, s.text, s.finish_reason), rid
+        # Steps may group the sequences differently, so float32 sums may round differently.
+        for lp_a, lp_s in zip(flat_logprobs(a), flat_logprobs(s), strict=True):
+            assert lp_a[0] == lp_s[0] and lp_a[1] == pytest.approx(lp_s[1], abs=1e-5), rid
+    assert sync["stop_token"].finish_reason == "stop" and sync["stop_string"].finish_reason == "stop"
+    assert len(flat_logprobs(sync["logprobs"])) == 18
+
+
+def test_an_eos_in_flight_wastes_only_the_step_launched_ahead(loaded):
+    engine = make_engine(loaded)
+    try:
+        free_run = engine.generate(prompt(6, 0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    engine = make_engine(loaded)
+    engine.eos_token_ids = frozenset({free_run.token_ids[4]})
+    ahead = count_ahead_steps(engine)
+    try:
+        out = engine.generate(prompt(6, 0), SamplingParams(max_tokens=12, temperature=0.0))
+        assert out.token_ids == free_run.token_ids[: free_run.token_ids.index(free_run.token_ids[4]) + 1]
+        assert out.finish_reason == "stop" and ahead
+        assert_pages_return(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_abort_while_a_step_runs_ahead_frees_every_page(loaded):
+    engine = make_engine(loaded, max_num_batched_tokens=8)
+    ahead = count_ahead_steps(engine)
+    collector = Collector()
+    first_token = threading.Event()
+    on_output = collector.callback("long")
+
+    def watch(out):
+        on_output(out)
+        if out.token_ids:
+            first_token.set()
+
+    try:
+        engine.submit("long", prompt(20, 9), SamplingParams(max_tokens=400, ignore_eos=True), watch)
+        assert first_token.wait(timeout=30)
+        engine.abort("long")
+        assert collector.wait()["long"].finish_reason == "abort"
+        assert ahead, "the request was aborted before any step ran ahead"
+        assert_pages_return(engine)
+        assert engine.generate(prompt(4, 3), SamplingParams(max_tokens=3, ignore_eos=True)).finish_reason == "length"
+    finally:
+        engine.shutdown()
+
+
+# -- the scheduler's rule, without a model ------------------------------------------------------
+
+
+def decoding(scheduler: Scheduler, params: SamplingParams, n_prompt: int = 15, name: str = "s") -> Sequence:
+    seq = Sequence(name, list(range(n_prompt)), params, seed=0)
+    scheduler.add(seq)
+    (chunk,) = [c for c in scheduler.schedule() if c.seq is seq]
+    seq.num_computed_tokens += chunk.num_tokens
+    seq.append_token(1)
+    return seq
+
+
+def scheduler_with(num_pages: int) -> Scheduler:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
+    page_bytes = 2 * 4 * 4 * 4  # K+V, 4 tokens, head_dim 4, float32
+    kv = KVCache(layout, "f32", "f32", num_pages * page_bytes, 4, torch.device("cpu"), torch.float32)
+    assert kv.num_pages == num_pages
+    return Scheduler(EngineConfig(max_num_batched_tokens=64), kv)
+
+
+PLAIN = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def test_schedule_ahead_takes_the_next_position_and_its_page():
+    scheduler = scheduler_with(8)
+    seq = decoding(scheduler, PLAIN)  # 16 tokens: 4 pages, the 17th needs a fifth
+    in_flight = scheduler.schedule()
+    (ahead,) = scheduler.schedule_ahead(in_flight)
+    assert (ahead.seq, ahead.start, ahead.num_tokens, ahead.ahead, ahead.samples) == (seq, 16, 1, True, True)
+    assert len(seq.block_table) == 5
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["waiting", "penalty", "last_token", "pool_short", "finished"],
+)
+def test_schedule_ahead_declines_when_the_next_step_could_differ(case):
+    scheduler = scheduler_with(5 if case == "pool_short" else 16)
+    params = {
+        "penalty": SamplingParams(max_tokens=10, frequency_penalty=0.5, ignore_eos=True),
+        "last_token": SamplingParams(max_tokens=2, ignore_eos=True),  # the step in flight samples its last
+    }.get(case, PLAIN)
+    seq = decoding(scheduler, params)
+    other = decoding(scheduler, PLAIN, n_prompt=3, name="other") if case == "pool_short" else None
+    in_flight = scheduler.schedule()
+    if case == "waiting":
+        scheduler.add(Sequence("late", [1, 2], PLAIN, seed=0))
+    if case == "finished":
+        seq.finish_reason = "stop"
+    tables = [list(s.block_table) for s in (seq, other) if s is not None]
+    assert scheduler.schedule_ahead(in_flight) == []
+    assert [list(s.block_table) for s in (seq, other) if s is not None] == tables, "a declined step took pages"
+
