@@ -97,11 +97,12 @@ def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
 
 def _unpack_fields(packed: torch.Tensor, width: int) -> torch.Tensor:
     per_word = 32 // width
-    b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, 4)
-    words = (b << (8 * torch.arange(4, device=packed.device))).sum(-1)
-    shifts = 4 * torch.arange(8, device=packed.device) + width * torch.arange(per_word // 8, device=packed.device)[:, None]
-    f = (words[..., None, None] >> shifts) & ((1 << width) - 1)
-    return f.reshape(*packed.shape[:-1], -1).to(torch.int32)
+    # nibble k of a word is in byte k // 2 at bit 4 (k % 2): int32 shifts of bytes, no 64-bit words
+    nibble_bytes = packed.reshape(*packed.shape[:-1], -1, 4).to(torch.int32).repeat_interleave(2, dim=-1)
+    k = torch.arange(8, device=packed.device, dtype=torch.int32)
+    shifts = 4 * (k % 2) + width * torch.arange(per_word // 8, device=packed.device, dtype=torch.int32)[:, None]
+    f = (nibble_bytes[..., None, :] >> shifts) & ((1 << width) - 1)
+    return f.reshape(*packed.shape[:-1], -1)
 
 
 def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
