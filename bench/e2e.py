@@ -158,7 +158,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
 
 
 def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int,
-                kv_cache_dtype: str, budget_tokens: int, chunk: int) -> Engine:
+                kv_cache_dtype: str, budget_tokens: int, chunk: int, async_scheduling: bool = True) -> Engine:
     cfg = loaded.config
     layer_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K+V per token per layer at f32: an upper bound
     config = EngineConfig(
@@ -168,6 +168,7 @@ def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int,
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=cfg.num_layers * layer_bytes * (budget_tokens + 64 * max_seqs),
         kernel_timing_sample_rate=0.0,
+        async_scheduling=async_scheduling,
     )
     engine = Engine(config, loaded=loaded)
     engine.start()
@@ -228,7 +229,7 @@ def bench_shape(name: str, args, device: torch.device, copy_gbs: float, lines: l
     weight_bytes = weight_bytes_per_decode_step(loaded.model, cfg)
     max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1)
     engine = make_engine(loaded, max(args.batch_sizes), cfg.max_position_embeddings, "auto",
-                         max(args.batch_sizes) * max_len, args.prefill_len)  # fmt: skip
+                         max(args.batch_sizes) * max_len, args.prefill_len, args.async_scheduling)  # fmt: skip
     try:
         for batch in args.batch_sizes:
             ours = decode_tokens_per_s(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size)
@@ -267,7 +268,8 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
         for depth in args.context_depth:
             prompt = max(depth, 1)
             try:
-                engine = make_engine(loaded, 1, prompt + new + 1, kv_dtype, prompt + new + 16, 8192)
+                engine = make_engine(loaded, 1, prompt + new + 1, kv_dtype, prompt + new + 16, 8192,
+                                     args.async_scheduling)  # fmt: skip
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
                 lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)
@@ -314,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--doc", type=Path, default=BENCHMARKS_DOC, help="markdown file to record into")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="the engine reads every step's tokens back before launching the next")
     p.add_argument("--gemv-configs", type=Path, help="JSON of one-row skinny-matmul configurations to use "
                    "(bench/dense_gpu_check.py --write-gemv-configs), added to server/kernels/gemv.py MEASURED_M1")
     args = p.parse_args(argv)
@@ -343,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- Hardware: {environment_line(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n"
         f"- Decode: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, timed after every first "
         f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy bandwidth.\n"
+        f"- Async scheduling {'on' if args.async_scheduling else 'off (--no-async-scheduling)'}.\n"
         + (f"- One-row skinny-matmul configurations (N, K, fused) -> (BLOCK_N, BLOCK_K, STAGES) from "
            f"{args.gemv_configs.name}: {gemv.MEASURED_M1}\n" if args.gemv_configs else "")
         + "\n"
