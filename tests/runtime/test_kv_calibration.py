@@ -111,7 +111,7 @@ def test_dead_channels_get_finite_scales():
     store.set_transform(None, s, t)  # accepted as they are
 
 
-def test_turbo_engine_gives_every_store_its_layer_transform_and_dense_engines_none():
+def test_turbo_engine_gives_every_store_its_layer_offset_and_dense_engines_none():
     loaded = ToyLoaded(model=ToyModel(CONFIG, seed=3), config=CONFIG)
     engines = [make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype=kind) for kind in ("turbo3", "f32")]
     try:
@@ -120,9 +120,8 @@ def test_turbo_engine_gives_every_store_its_layer_transform_and_dense_engines_no
         stats = kv_statistics(loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CPU,
                               torch.float32, max_positions=128)
         for store, layer in zip(turbo.kv_cache.stores, stats):
-            m, s, t = equalizing_transform(layer)
-            assert isinstance(store, TurboKVStore)
-            assert torch.equal(store.k_offset, m) and torch.equal(store.k_scale, s) and torch.equal(store.v_scale, t)
+            assert isinstance(store, TurboKVStore) and torch.equal(store.k_offset, layer.key_mean)
+            assert not store.scaled, "engines apply m only (kv_calibration.py: s and t measured not to pay)"
         assert all(not hasattr(s, "k_offset") for s in dense.kv_cache.stores)
         # Same model, same text: a second turbo engine calibrates to the very same transforms.
         again = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
@@ -135,6 +134,26 @@ def test_turbo_engine_gives_every_store_its_layer_transform_and_dense_engines_no
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_equalize_gives_every_store_its_layer_scales_too():
+    model, tokenizer = ToyModel(CONFIG, seed=4), ToyLoaded(model=None).tokenizer
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # channels of very different spread, so that the scales are not all 1
+        for layer in model.layers:
+            for name in ("k", "v"):
+                layer[name].mul_(torch.exp(2 * torch.randn(layer[name].shape[0], 1, generator=gen)))
+    stores = [TurboKVStore(4, 16, CONFIG.num_kv_heads, CONFIG.head_dim, "turbo3", "turbo3", "cpu", torch.float32)
+              for _ in range(CONFIG.num_layers)]
+    kv_calibration.calibrate_turbo_stores(model, tokenizer, stores, CONFIG.num_kv_heads, CONFIG.head_dim, CPU,
+                                          torch.float32, max_tokens=128, equalize=True)
+    ids = tokenizer.encode(CALIBRATION_TEXT)[:128]
+    stats = kv_statistics(model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CPU, torch.float32,
+                          max_positions=128)
+    for store, layer in zip(stores, stats):
+        m, s, t = equalizing_transform(layer)
+        assert store.scaled and not (s.eq(1).all() or t.eq(1).all())
+        assert torch.equal(store.k_offset, m) and torch.equal(store.k_scale, s) and torch.equal(store.v_scale, t)
 
 
 def test_too_little_text_is_refused():
