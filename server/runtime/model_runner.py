@@ -60,6 +60,10 @@ class LaunchedStep:
     scoring_prompt: list[int] = field(default_factory=list)  # chunks whose prompt logprobs are computed
     sample_logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None  # [len(sampling)] int64
+    # The tokens' copy to pinned host memory, queued right after sampling, and its event: a step
+    # launched ahead queues behind this one, so reading `tokens` itself would wait for that too.
+    tokens_host: torch.Tensor | None = None
+    tokens_copied: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -181,6 +185,11 @@ class ModelRunner:
             with timed("sampling", self.device):
                 tensors = SamplingTensors.from_sequences(seqs, step.logits.shape[1], self.device, after is not None)
                 step.tokens = sample(step.sample_logits, tensors)
+            if self.device.type == "cuda":
+                step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+                step.tokens_host.copy_(step.tokens, non_blocking=True)
+                step.tokens_copied = torch.cuda.Event()
+                step.tokens_copied.record()
         return step
 
     @torch.inference_mode()
@@ -191,7 +200,10 @@ class ModelRunner:
         if step.tokens is not None:
             seqs = [chunks[i].seq for i in step.sampling]
             logprobs = token_logprobs(step.sample_logits, step.tokens, [s.params.logprobs for s in seqs])
-            for i, token, logprob in zip(step.sampling, step.tokens.tolist(), logprobs):
+            if step.tokens_copied is not None:
+                step.tokens_copied.synchronize()
+            tokens = (step.tokens if step.tokens_host is None else step.tokens_host).tolist()
+            for i, token, logprob in zip(step.sampling, tokens, logprobs):
                 results[i].token, results[i].logprob = token, logprob
         for i in step.scoring_prompt:
             first = step.row_of[step.row_starts[i]]
