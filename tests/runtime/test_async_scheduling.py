@@ -72,14 +72,20 @@ def run_engine(loaded, requests, async_scheduling: bool):
     return results, ahead
 
 
-def test_outputs_with_async_scheduling_equal_the_synchronous_engine(loaded):
+def greedy_free_run(loaded, max_tokens: int) -> list[int]:
+    """What prompt(6, 0) continues with when nothing stops it (the stop tests pick their stops from it)."""
     engine = make_engine(loaded)
     try:
-        free_run = engine.generate(prompt(6, 0), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return engine.generate(prompt(6, 0), params).token_ids
     finally:
         engine.shutdown()
-    stop_str = loaded.tokenizer.decode(free_run.token_ids[8:10])
-    requests = requests_of_every_kind(free_run.token_ids, stop_str)
+
+
+def test_outputs_with_async_scheduling_equal_the_synchronous_engine(loaded):
+    free_run = greedy_free_run(loaded, 24)
+    stop_str = loaded.tokenizer.decode(free_run[8:10])
+    requests = requests_of_every_kind(free_run, stop_str)
     sync, none_ahead = run_engine(loaded, requests, async_scheduling=False)
     async_, ahead = run_engine(loaded, requests, async_scheduling=True)
     assert not none_ahead
@@ -94,20 +100,32 @@ def test_outputs_with_async_scheduling_equal_the_synchronous_engine(loaded):
     assert len(flat_logprobs(sync["logprobs"])) == 18
 
 
-def test_an_eos_in_flight_wastes_only_the_step_launched_ahead(loaded):
+def test_an_eos_sampled_while_a_step_runs_ahead_ends_the_request_there(loaded):
+    free_run = greedy_free_run(loaded, 12)
     engine = make_engine(loaded)
-    try:
-        free_run = engine.generate(prompt(6, 0), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    finally:
-        engine.shutdown()
-    engine = make_engine(loaded)
-    engine.eos_token_ids = frozenset({free_run.token_ids[4]})
+    engine.eos_token_ids = frozenset({free_run[4]})
     ahead = count_ahead_steps(engine)
+    # The step launched ahead still writes the ended sequence's pages (on a GPU its kernels may still
+    # run): every launched step is collected, and its sequences keep their pages until then.
+    launched, collected_with_pages = [], []
+    launch, collect = engine.runner.launch, engine.runner.collect
+
+    def recording_launch(chunks, after=None):
+        launched.append(chunks)
+        return launch(chunks, after)
+
+    def recording_collect(step):
+        collected_with_pages.append(all(c.seq.block_table for c in step.chunks))
+        return collect(step)
+
+    engine.runner.launch, engine.runner.collect = recording_launch, recording_collect
     try:
         out = engine.generate(prompt(6, 0), SamplingParams(max_tokens=12, temperature=0.0))
-        assert out.token_ids == free_run.token_ids[: free_run.token_ids.index(free_run.token_ids[4]) + 1]
+        assert out.token_ids == free_run[: free_run.index(free_run[4]) + 1]
         assert out.finish_reason == "stop" and ahead
         assert_pages_return(engine)
+        assert len(collected_with_pages) == len(launched), "a step launched ahead was never collected"
+        assert all(collected_with_pages), "pages went back before the step writing them was collected"
     finally:
         engine.shutdown()
 
