@@ -28,7 +28,7 @@ from server.kernels.turbo import attention  # noqa: E402
 
 POINTER_TYPES = {"q_ptr": "*bf16", "q_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
                  "k_codes": "*u8", "k_norms": "*fp16", "k_poly": "*fp32", "k_table": "*i32", "v_codes": "*u8",
-                 "v_norms": "*fp16", "v_poly": "*fp32", "v_table": "*i32", "q_mult_ptr": "*bf16",
+                 "v_norms": "*fp16", "v_poly": "*fp32", "v_table": "*i32",
                  "first_ptr": "*i32", "second_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
                  "part_l_ptr": "*fp32"}
 FLOAT_ARGS = ("inv_sqrt", "qk_scale")
@@ -40,7 +40,7 @@ def decode_sass(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int 
     group = 128 if head_dim % 128 == 0 else 64
     constants = dict(H_KV=8, GQA=gqa, GQA_PAD=max(16, triton.next_power_of_2(gqa)), PAGE_SIZE=16, D=head_dim,
                      G=group, LOG2_G=group.bit_length() - 1, K_BITS=bits_k, V_BITS=bits_v, BLOCK=block, F16=True,
-                     ASM=True, SCALED=False)
+                     ASM=True)
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:

@@ -77,11 +77,10 @@ def _block_rows(t0, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_nor
 @triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
-                   inv_sqrt, qk_scale, q_mult_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
+                   inv_sqrt, qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
                    H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
-                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-                   SCALED: tl.constexpr):
+                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -97,8 +96,6 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         q_row = tl.load(q_start_ptr + seq).to(tl.int64)
         q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :],
                     mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
-        if SCALED:  # per-channel multiplier of this KV head's queries (TurboKVStore's 1 / s)
-            q *= tl.load(q_mult_ptr + kv_head * D + tl.arange(0, D)).to(tl.float32)[None, :]
         q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
         q = (tl.reshape(q, (GQA_PAD, D)) * qk_scale).to(OP)
 
@@ -145,9 +142,9 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
 @triton.jit
 def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr,
-                  part_l_ptr, chunk, num_splits, first_ptr, second_ptr, inv_sqrt, out_mult_ptr,
+                  part_l_ptr, chunk, num_splits, first_ptr, second_ptr, inv_sqrt,
                   H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, SCALED: tl.constexpr):
+                  D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
     NG: tl.constexpr = D // G
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -174,8 +171,6 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr
     # Back from the rotated domain: the inverse swaps the sign tables (rotation.py).
     out = rotate_rows(tl.reshape(out, (GQA_PAD * NG, G)), second_ptr, first_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
     out = tl.reshape(out, (GQA_PAD, D))
-    if SCALED:  # per-channel multiplier of this KV head's outputs (TurboKVStore's 1 / t)
-        out *= tl.load(out_mult_ptr + kv_head * D + tl.arange(0, D)).to(tl.float32)[None, :]
     q_row = tl.load(q_start_ptr + seq).to(tl.int64)
     tl.store(out_ptr + q_row * out_stride_t + heads[:, None] * out_stride_h + tl.arange(0, D)[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(g < GQA)[:, None])
@@ -200,14 +195,10 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                             num_splits: int | None = None, block_n: int = BLOCK_N,
                             num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
-                            num_stages: int | None = NUM_STAGES,
-                            multipliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            num_stages: int | None = NUM_STAGES) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
-    ``multipliers``: (for q, for the output), each [kv_heads, 1, D] contiguous, applied per channel
-    to every query head of a KV head before attending and to its output after (TurboKVStore's
-    exact 1 / s and 1 / t) inside the two launches, instead of two elementwise launches around them.
-    ``num_splits`` and the launch settings before ``multipliers`` exist for tests and the benchmark's sweep.
+    ``num_splits`` and the launch settings exist for tests and the benchmark's sweep.
     """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
@@ -225,19 +216,14 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs at least 16 rows
-    shape = dict(H_KV=kv_heads, GQA=gqa, GQA_PAD=gqa_pad, D=head_dim, G=group, LOG2_G=group.bit_length() - 1,
-                 SCALED=multipliers is not None)
-    if multipliers is not None and any(m.shape != (kv_heads, 1, head_dim) or not m.is_contiguous() for m in multipliers):
-        raise ValueError(f"multipliers must be two contiguous [{kv_heads}, 1, {head_dim}] tensors (kv_heads, 1, "
-                         f"head_dim), got {[tuple(m.shape) for m in multipliers]}")
-    q_mult, out_mult = multipliers if multipliers is not None else (q, q)  # never read unless SCALED
+    shape = dict(H_KV=kv_heads, GQA=gqa, GQA_PAD=gqa_pad, D=head_dim, G=group, LOG2_G=group.bit_length() - 1)
     with timed("turbo_decode_attention", q.device):
         _decode_kernel[(num_seqs, kv_heads, num_splits)](
             q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
-            scale * LOG2E, q_mult, part_acc, part_m, part_l, chunk, num_splits,
+            scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             F16=q.dtype != torch.float32, ASM=q.device.type == "cuda" and torch.version.cuda is not None,
             num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
@@ -246,7 +232,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         )
         _merge_kernel[(num_seqs, kv_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
-            chunk, num_splits, signs[0], signs[1], inv_sqrt, out_mult, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            chunk, num_splits, signs[0], signs[1], inv_sqrt, SPLITS_PAD=triton.next_power_of_2(num_splits),
             **shape,
         )
     return out

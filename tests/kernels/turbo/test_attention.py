@@ -105,22 +105,6 @@ def test_fused_decode_with_half_queries_uses_fp16_operands_within_their_rounding
     assert_close(fused, want, 2e-3 * want.abs().max().item(), "fp16 fused decode vs float64")
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
-def test_fused_decode_applies_per_channel_multipliers_to_queries_and_outputs(dtype, tol):
-    """multipliers=(a, b): the output is b * attention(a * q) per KV head and channel (TurboKVStore's 1 / s, 1 / t)."""
-    store, meta, q = scenario([3, PAGE + 1, 40], [1] * 3, 2, 3, 128, "turbo3", "turbo4", seed=11)
-    q = q.to(dtype)
-    a = (2.0 ** torch.randint(-3, 4, (2, 1, 128))).to(dtype)
-    b = (2.0 ** torch.randint(-3, 4, (2, 1, 128))).to(dtype)
-    by_kv_head = (q.shape[0], 2, 3, 128)
-    want = oracle((q.reshape(by_kv_head) * a).reshape(q.shape).double(), store, meta, 0.09)
-    want = (want.reshape(by_kv_head) * b.double()).reshape(q.shape)
-    got = decode_attention_triton(q, store.k, store.v, meta, 0.09, store.signs, store.inv_sqrt, multipliers=(a, b))
-    assert_close(got, want, tol * want.abs().max().item(), f"{dtype} fused decode with multipliers vs float64")
-    with pytest.raises(ValueError, match=r"multipliers must be two contiguous \[2, 1, 128\]"):
-        decode_attention_triton(q, store.k, store.v, meta, 0.09, store.signs, store.inv_sqrt, multipliers=(a[:1], b))
-
-
 def test_fused_decode_long_context_any_split_count():
     store, meta, q = scenario([1000, 3], [1, 1], 1, 4, 128, "turbo3", "turbo3", seed=3)
     want = oracle(q, store, meta, 128**-0.5)
