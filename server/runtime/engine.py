@@ -25,7 +25,7 @@ from server.runtime.detokenizer import IncrementalDetokenizer
 from server.runtime.kv_cache import (
     TURBO_KV_KINDS, KVCache, KVLayout, bits_per_value, bytes_per_token, default_budget_bytes, resolve_kv_kinds,
 )  # fmt: skip
-from server.runtime.kv_calibration import calibrate_turbo_stores
+from server.runtime.kv_calibration import calibrate_key_offsets
 from server.runtime.model_runner import ChunkResult, LaunchedStep, ModelRunner
 from server.runtime.scheduler import ScheduledChunk, Scheduler
 from server.runtime.sequence import SamplingParams, Sequence, TokenLogprob
@@ -108,9 +108,9 @@ class Engine:
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else default_budget_bytes(self.device)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
-        if k_kind in TURBO_KV_KINDS:  # per-head K/V transforms before quantizing (kv_calibration.py)
-            calibrate_turbo_stores(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
-                                   self.device, dtype, self.max_model_len)
+        if k_kind in TURBO_KV_KINDS:  # quantized keys lose their shared direction first (kv_calibration.py)
+            calibrate_key_offsets(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
+                                  self.device, dtype, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_cache)
         graph_batch = 0 if config.enforce_eager else config.max_num_seqs
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len, graph_batch)

@@ -3,9 +3,8 @@
 Per (token, KV head) row and per group (format.py): norm, normalize, rotate
 (rotation.rotate_rows), nearest centroid by counting midpoints <= y (ties to the upper
 index), norm correction ||x|| / ||c||, pack, and scatter to the token's slot. Program axis 1
-picks K (0) or V (1), whose kinds may differ. Rows first go through the store's per-head
-transform (TurboKVStore's docstring says why attention undoes it exactly): what is quantized
-is (k - m) * s and v * t.
+picks K (0) or V (1), whose kinds may differ. Keys first lose their head's offset
+(TurboKVStore.k_offset): what is quantized is k - m.
 """
 
 from __future__ import annotations
@@ -38,10 +37,9 @@ class TurboPages:
 
 @triton.jit
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr, offset_ptr,
-                   scale_ptr, first_ptr, second_ptr, inv_sqrt, n_rows, pid,
+                   first_ptr, second_ptr, inv_sqrt, n_rows, pid,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                   HAS_SCALE: tl.constexpr):
+                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr):
     NG: tl.constexpr = D // G
     rows = pid * ROWS + tl.arange(0, ROWS)
     tok = rows // H
@@ -50,11 +48,8 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
     valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
     x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + head[:, None] * stride_h + tl.arange(0, D)[None, :],
                 mask=valid[:, None], other=0.0).to(tl.float32)
-    per_head = head[:, None] * D + tl.arange(0, D)[None, :]  # offset and scale: float32 [H, D]
-    if HAS_OFFSET:
-        x -= tl.load(offset_ptr + per_head, mask=valid[:, None], other=0.0)
-    if HAS_SCALE:
-        x *= tl.load(scale_ptr + per_head, mask=valid[:, None], other=0.0)
+    if HAS_OFFSET:  # offset_ptr: float32 [H, D], one vector per KV head
+        x -= tl.load(offset_ptr + head[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
     xg = tl.reshape(x, (ROWS * NG, G))
     n = tl.sqrt(tl.sum(xg * xg, axis=1))
     u = xg / tl.where(n > 0, n, 1.0)[:, None]  # a zero group stays zero
@@ -74,31 +69,26 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
 
 @triton.jit
 def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slot_ptr,
-                  k_codes, k_norms, k_mid, k_cent, k_offset, k_scale, v_codes, v_norms, v_mid, v_cent, v_scale,
+                  k_codes, k_norms, k_mid, k_cent, k_offset, v_codes, v_norms, v_mid, v_cent,
                   first_ptr, second_ptr, inv_sqrt, n_rows,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  K_OFFSET: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
+                  K_OFFSET: tl.constexpr):
     pid = tl.program_id(0)
     if tl.program_id(1) == 0:
-        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent, k_offset, k_scale,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS,
-                       K_OFFSET, K_SCALE)
+        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent, k_offset,
+                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET)
     else:
-        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent, k_offset, v_scale,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS,
-                       False, V_SCALE)
+        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent, k_offset,
+                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
                        v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                       k_offset: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM) -> None:
-    """Quantize (k - k_offset) * k_scale and v * v_scale, [T, kv_heads, D] (last dim contiguous), into their
-    slots; one launch for both.
+                       k_offset: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+    """Quantize k - k_offset and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch for both.
 
-    ``k_offset``, ``k_scale``, ``v_scale``: float32 [kv_heads, D], contiguous (TurboKVStore's); None skips
-    that step (all None: the spec's plain format).
+    ``k_offset``: float32 [kv_heads, D], contiguous (TurboKVStore.k_offset); None: the spec's plain format.
 
     ``rows_per_program`` (token-head rows per program) exists for the benchmark's sweep.
     """
@@ -114,11 +104,10 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
         _store_kernel[grid](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping,
             k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids,
-            *(k_pages.centroids if t is None else t for t in (k_offset, k_scale)),  # None: never read
+            k_pages.centroids if k_offset is None else k_offset,  # never read without K_OFFSET
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
-            v_pages.centroids if v_scale is None else v_scale,
             signs[0], signs[1], inv_sqrt, n_rows,
             H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=rows_per_program, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
-            K_OFFSET=k_offset is not None, K_SCALE=k_scale is not None, V_SCALE=v_scale is not None,
+            K_OFFSET=k_offset is not None,
         )

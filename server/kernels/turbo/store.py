@@ -5,18 +5,13 @@ Pages: codes [num_pages, kv_heads, page_size, row_bytes] uint8 and norms
 layout). A page's rows for one head are contiguous, so a decode program reads
 page_size * row_bytes consecutive bytes per page.
 
-Per-head transform (ours, outside the spec's format; server/runtime/kv_calibration.py picks it,
-docs/BENCHMARKS.md "Quality" has the perplexity). The store quantizes (k - m) * s and v * t
-instead of k and v, with m, s, t float32 [kv_heads, D] fixed for the store's life (identity by
-default: the spec's plain format), and attention undoes it exactly:
-  * scores: q . k = (q / s) . ((k - m) * s) + q . m. Attention is given q / s, and the last term
-    is one shift per query row, which softmax (causal mask included) is blind to.
-  * values: sum_j p_j v_j = (sum_j p_j (v_j * t)) / t, so the output is divided by t.
-m pays because real keys share a large direction per head: subtracting it leaves the
-quantizer the part that differs between tokens. s and t move the quantizer's error (the
-same in every rotated coordinate, so the same in every channel of what is stored) away from
-the channels where queries are large (K) or values small (V). s and t are powers of two, so
-q / s and out / t are exact in any float dtype and no attention kernel knows about any of it.
+Key offset: the store quantizes k - m, with m = ``k_offset`` (float32 [kv_heads, D], fixed
+for the store's life; zeros by default, which is the spec's plain format). Attention then
+sees k - m instead of k, which changes every score of a query row by the same <q, m>, and
+softmax (causal mask included) is blind to that: the output is that of the keys the pages
+stand for (decoded + m), and no attention kernel knows about m. It pays because real keys share a large common direction per head:
+subtracting it leaves the quantizer the part that differs between tokens
+(server/runtime/kv_calibration.py picks m; docs/BENCHMARKS.md has the perplexity).
 """
 
 from __future__ import annotations
@@ -30,9 +25,6 @@ from server.kernels.turbo.attention import attention_over_decoded_pages, decode_
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
-
-# Scales beyond 2^+-16 would push fp16 queries or outputs out of their range (and no statistics call for them).
-MAX_SCALE_LOG2 = 16
 
 
 def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
@@ -70,41 +62,17 @@ class TurboKVStore:
         self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
         self.inv_sqrt = inv_sqrt_group(group)
         self.k_offset = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
-        self.k_scale = torch.ones_like(self.k_offset)
-        self.v_scale = torch.ones_like(self.k_offset)
-        # 1 / s and 1 / t in the compute dtype (exact: powers of two), used only once scaled.
-        self.q_multiplier = torch.ones(num_kv_heads, 1, head_dim, dtype=out_dtype, device=device)
-        self.out_multiplier = torch.ones_like(self.q_multiplier)
-        self.scaled = False
 
-    def set_transform(self, k_offset: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> None:
-        """Quantize (k - k_offset) * k_scale and v * v_scale from now on (each [kv_heads, D]; None: the identity,
-        i.e. offset 0 or scale 1). Set it before the first write and before CUDA graphs are captured: pages
-        written earlier hold the old transform, and one sequence must not mix two (softmax is blind to one
-        shift per row, not to a different shift per key)."""
-        want = (self.num_kv_heads, self.head_dim)
-        offset = torch.zeros(want) if k_offset is None else k_offset
-        scales = [torch.ones(want) if t is None else t for t in (k_scale, v_scale)]
-        for name, t in (("k_offset", offset), ("k_scale", scales[0]), ("v_scale", scales[1])):
-            if tuple(t.shape) != want:
-                raise ValueError(f"{name} must have shape [{want[0]}, {want[1]}] (kv_heads, head_dim), "
-                                 f"got {tuple(t.shape)}")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{name} must be finite; a NaN or infinity would poison every row it touches")
-        for name, t in (("k_scale", scales[0]), ("v_scale", scales[1])):
-            mantissa, exponent = torch.frexp(t.float())  # 2^e = 0.5 * 2^(e + 1)
-            if not (mantissa == 0.5).all() or (exponent - 1).abs().max() > MAX_SCALE_LOG2:
-                raise ValueError(f"{name} must hold powers of two between 2^-{MAX_SCALE_LOG2} and "
-                                 f"2^{MAX_SCALE_LOG2} (so that q / s and out / t stay exact in fp16/bf16); round "
-                                 "log2 of each scale to an integer in that range")
-        # In place: captured CUDA graphs keep reading these tensors.
-        self.k_offset.copy_(offset)
-        for stored, multiplier, t in ((self.k_scale, self.q_multiplier, scales[0]),
-                                      (self.v_scale, self.out_multiplier, scales[1])):
-            stored.copy_(t)
-            multiplier.copy_(t.reciprocal()[:, None, :])
-        self.scaled = not (self.k_scale.eq(1).all() and self.v_scale.eq(1).all())
+    def set_k_offset(self, offset: torch.Tensor) -> None:
+        """Quantize k - offset from now on ([kv_heads, D], finite). Set it before the first write:
+        pages written earlier hold k minus the old offset, and one sequence must not mix the two
+        (softmax is blind to one shift per row, not to a different shift per key)."""
+        if tuple(offset.shape) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"k_offset must have shape [{self.num_kv_heads}, {self.head_dim}] (kv_heads, head_dim), "
+                             f"got {tuple(offset.shape)}")
+        if not torch.isfinite(offset).all():
+            raise ValueError("k_offset must be finite; a NaN or infinity would poison every key it is subtracted from")
+        self.k_offset.copy_(offset)  # in place: captured CUDA graphs keep reading this tensor
 
     @staticmethod
     def bits_per_value(kind: str) -> float:
@@ -127,15 +95,12 @@ class TurboKVStore:
         if slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {tuple(slot_mapping.shape)}")
         if use_triton(k):
-            store_turbo_triton(k, v, slot_mapping, self.k, self.v, self.signs, self.inv_sqrt, self.k_offset,
-                               *((self.k_scale, self.v_scale) if self.scaled else (None, None)))
+            store_turbo_triton(k, v, slot_mapping, self.k, self.v, self.signs, self.inv_sqrt, self.k_offset)
             return
         keep = slot_mapping >= 0  # a negative slot marks a padding token
         slots = slot_mapping[keep].long()
         page, offset = slots // self.page_size, slots % self.page_size
-        transformed = ((self.k, self.k_kind, (k.float() - self.k_offset) * self.k_scale),
-                       (self.v, self.v_kind, v.float() * self.v_scale))
-        for pages, kind, x in transformed:
+        for pages, kind, x in ((self.k, self.k_kind, k.float() - self.k_offset), (self.v, self.v_kind, v)):
             codes, norms = quantize_reference(x[keep], kind)
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms
@@ -144,16 +109,6 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
-        if not self.scaled:
-            return self._attend_stored(q, meta, scale)
-        # Two small elementwise launches per layer and step (the class docstring says why they are exact).
-        by_kv_head = (q.shape[0], self.num_kv_heads, q.shape[1] // self.num_kv_heads, self.head_dim)
-        q_stored = (q.reshape(by_kv_head) * self.q_multiplier.to(q.dtype)).reshape(q.shape)
-        out = self._attend_stored(q_stored, meta, scale)
-        return (out.reshape(by_kv_head) * self.out_multiplier.to(out.dtype)).reshape(q.shape)
-
-    def _attend_stored(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Attention over the stored (transformed) keys and values, q already divided by s."""
         if use_triton(q) and meta.is_decode_only:
             return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale,

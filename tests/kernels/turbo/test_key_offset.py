@@ -32,7 +32,7 @@ def filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, offset, direction
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
     store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
-    store.set_transform(offset)
+    store.set_k_offset(offset)
     keys = []
     for s, n in enumerate(seq_lens):
         tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
@@ -123,7 +123,7 @@ def test_store_kernel_matches_the_reference_with_an_offset(head_dim, k_kind, v_k
     heads, tokens = 3, 37
     store = TurboKVStore(4, PAGE, heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
     offset = torch.randn(heads, head_dim, generator=gen) * 5
-    store.set_transform(offset)
+    store.set_k_offset(offset)
     k = offset + torch.randn(tokens, heads, head_dim, generator=gen)
     k[3] = offset  # k - m == 0: norm 0, index 0, like a zero key in the plain format
     v = torch.randn(tokens, heads, head_dim, generator=gen) + 2.0  # V never loses an offset
@@ -147,7 +147,7 @@ def test_default_offset_is_zero_and_bad_offsets_are_refused():
     store = TurboKVStore(2, PAGE, 2, 64, "turbo3", "turbo3", "cpu", torch.float32)
     assert store.k_offset.shape == (2, 64) and store.k_offset.eq(0).all(), "default must be the spec's plain format"
     with pytest.raises(ValueError, match=r"k_offset must have shape \[2, 64\]"):
-        store.set_transform(torch.zeros(64))
+        store.set_k_offset(torch.zeros(64))
     with pytest.raises(ValueError, match="finite"):
-        store.set_transform(torch.full((2, 64), float("nan")))
+        store.set_k_offset(torch.full((2, 64), float("nan")))
     assert store.k_offset.eq(0).all(), "a refused offset must leave the old one in place"
