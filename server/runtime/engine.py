@@ -329,6 +329,7 @@ class Engine:
             chunks = self.scheduler.schedule()
             launched, failure = self._launch(chunks, started)
         self._in_flight = {chunk.seq for chunk in chunks}
+        # Read without the lock: a request or abort arriving just now waits one step more, no harm.
         if launched is not None and self.config.async_scheduling and not (self._inbox or self._aborts):
             ahead = self.scheduler.schedule_ahead(chunks)
             if ahead:

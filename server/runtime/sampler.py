@@ -116,10 +116,7 @@ class SamplingTensors:
         """``ahead``: the step samples each sequence's token after the one still on the device, so
         its noise is keyed one generated token further than the host has seen."""
         params = [s.params for s in seqs]
-        penalized = any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
-        )
-        penalties = _penalty_tensors(seqs, vocab_size, device) if penalized else None
+        penalties = _penalty_tensors(seqs, vocab_size, device) if any(p.penalized for p in params) else None
         if all(p.greedy for p in params):
             return cls(all_greedy=True, penalties=penalties)
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]

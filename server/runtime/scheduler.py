@@ -105,7 +105,7 @@ class Scheduler:
                 not (chunk.num_tokens == 1 and chunk.samples)
                 or seq.finish_reason is not None
                 or seq.num_generated_tokens + 2 > p.max_tokens  # the step in flight may be its last
-                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                or p.penalized  # its penalties need the in-flight token on the host
             ):  # fmt: skip
                 return []
         new_pages = sum(self.kv_cache.pages_for(s.num_tokens + 1) - len(s.block_table) for s in seqs)

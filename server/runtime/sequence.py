@@ -29,6 +29,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Sampling depends on the tokens generated so far (their counts), not only on the logits."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self) -> None:
         """Raise ValueError naming the first field outside its range (RequestRejected wraps it)."""
         checks = [
