@@ -1,7 +1,9 @@
 """SASS instruction count of the turbo decode kernel's main loop, compiled for sm_90 on any machine.
 
-`python bench/turbo_sass.py [--bits-k 3 --bits-v 3 --block 64 --warps 4]` prints the instructions
-between the loop's backward branch and its target, per stored K/V value, and the most common opcodes.
+`python bench/turbo_sass.py [--bits-k 3 --bits-v 3] [BLOCK/WARPS[/MAX_REGISTERS] ...]` prints, per launch
+setting, the instructions between the loop's backward branch and its target (one step of BLOCK tokens),
+per stored K/V value, the registers and shared memory, and the barrier / shared-memory / shuffle / mma
+instructions of a step.
 A proxy for the kernel being instruction-bound (docs/BENCHMARKS.md), not a speed measurement.
 Pointers and integer arguments carry the 16-byte divisibility a real launch has; without it the
 compiler reports unvectorized loads the launch does not have.
@@ -35,7 +37,9 @@ FLOAT_ARGS = ("inv_sqrt", "qk_scale")
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);")
 
 
-def decode_sass(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int = 128, gqa: int = 4) -> str:
+def decode_sass(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int = 128, gqa: int = 4,
+                max_registers: int | None = None) -> tuple[str, str]:
+    """(SASS, cuobjdump's resource usage line) of the decode kernel compiled for sm_90."""
     fn = attention._decode_kernel
     group = 128 if head_dim % 128 == 0 else 64
     constants = dict(H_KV=8, GQA=gqa, GQA_PAD=max(16, triton.next_power_of_2(gqa)), PAGE_SIZE=16, D=head_dim,
@@ -51,12 +55,13 @@ def decode_sass(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int 
             signature[name] = POINTER_TYPES.get(name, "i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=warps))
+                            options=dict(num_warps=warps, **({} if max_registers is None else {"maxnreg": max_registers})))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        return subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        return tuple(subprocess.run([cuobjdump, flag, cubin.name], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-sass", "-res-usage"))
 
 
 def main_loop(sass: str) -> list[str]:
@@ -73,19 +78,31 @@ def main_loop(sass: str) -> list[str]:
     return [text for address, text in code if start <= address <= end]
 
 
+def summary(bits_k: int, bits_v: int, block: int, warps: int, max_registers: int | None = None) -> str:
+    """One line: main-loop instructions per stored value, registers, the ops that sync or go through shared memory."""
+    sass, usage = decode_sass(bits_k, bits_v, block, warps, max_registers=max_registers)
+    loop = main_loop(sass)
+    values_per_thread = block * 128 * 2 / (32 * warps)  # K and V of a 128-wide head
+    opcodes = collections.Counter(text.split()[1 if text.startswith("@") else 0].split(".")[0] for text in loop)
+    regs, shared = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "SHARED"))
+    syncs = ", ".join(f"{op} {opcodes[op]}" for op in ("BAR", "STS", "LDS", "STSM", "LDSM", "SHFL", "HGMMA", "HMMA"))
+    return (f"K{bits_k}/V{bits_v} {block} tokens, {warps} warps"
+            + ("" if max_registers is None else f", <= {max_registers} registers")
+            + f": {len(loop)} instructions per step, {len(loop) / values_per_thread:.2f} per stored value, "
+            f"{regs} registers, {shared} B shared; per step: {syncs}; top: "
+            + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits-k", type=int, default=3)
     parser.add_argument("--bits-v", type=int, default=3)
-    parser.add_argument("--block", type=int, default=attention.BLOCK_N)
-    parser.add_argument("--warps", type=int, default=attention.NUM_WARPS)
+    parser.add_argument("configs", nargs="*", default=[f"{attention.BLOCK_N}/{attention.NUM_WARPS}"],
+                        help="BLOCK/WARPS[/MAX_REGISTERS], e.g. 64/4 128/8 64/4/128")
     args = parser.parse_args()
-    loop = main_loop(decode_sass(args.bits_k, args.bits_v, args.block, args.warps))
-    values_per_thread = args.block * 128 * 2 / (32 * args.warps)  # K and V of a 128-wide head
-    opcodes = collections.Counter(text.split()[1 if text.startswith("@") else 0].split(".")[0] for text in loop)
-    print(f"turbo decode K{args.bits_k}/V{args.bits_v}, {args.block} tokens, {args.warps} warps: {len(loop)} "
-          f"instructions in the main loop, {len(loop) / values_per_thread:.1f} per stored value")
-    print(", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
+    for config in args.configs:
+        block, warps, *cap = map(int, config.split("/"))
+        print(summary(args.bits_k, args.bits_v, block, warps, *cap), flush=True)
 
 
 if __name__ == "__main__":
