@@ -1,10 +1,22 @@
 """The store kernel: one launch quantizes a step's new K and V into their turbo pages.
 
-Per (token, KV head) row and per group (format.py): norm, normalize, rotate
-(rotation.rotate_rows), nearest centroid by counting midpoints <= y (ties to the upper
-index), norm correction ||x|| / ||c||, pack, and scatter to the token's slot. Program axis 1
-picks K (0) or V (1), whose kinds may differ. Keys first lose their head's offset
-(TurboKVStore.k_offset): what is quantized is k - m.
+Per (token, KV head) row and per group (format.py): norm n, rotate (rotation.rotate_rows),
+nearest centroid, norm correction n / ||c||, pack (codes.store_indices), and scatter to the
+token's slot. Program axis 1 picks K (0) or V (1), whose kinds may differ. Keys first lose their
+head's offset (TurboKVStore.k_offset): what is quantized is k - m.
+
+Where the instructions go (sm_90 SASS per stored value, bench/turbo_store_sass.py): the
+rotation's butterflies are the floor; everything else is kept to a few selects per value:
+  * no division: the rotation is linear, so the unnormalized group is rotated and compared with
+    the midpoints scaled by n (one multiply per midpoint and group, not one per value);
+  * nearest centroid as a branch-free binary search over the magnitude |y| (the codebook is
+    symmetric, specs/turboquant.md "Codebook"): BITS compares and 2^(BITS-2) - 1 selects, where
+    counting all 2^BITS - 1 midpoints took three instructions per midpoint;
+  * ||c||^2 sums c^2 picked from the 2^(BITS-1) magnitudes by the search's own bits.
+The result equals quantize_reference up to rounding order (n scales the midpoints instead of
+dividing y; float sums in the butterfly order): a value within an ulp of a midpoint may land on
+the other side, and an exact tie on the negative side goes to the lower index. A zero group
+(n == 0) gets index 0 everywhere and norm 0 like the reference: its sign threshold is +inf.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ import triton.language as tl
 
 from server.kernels.rotation import rotate_rows
 from server.kernels.timing import timed
-from server.kernels.turbo.codes import centroid_of, store_indices
+from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
 
 ROWS_PER_PROGRAM = 16
@@ -36,11 +48,60 @@ class TurboPages:
 
 
 @triton.jit
+def _pick(bit, if_set, if_clear):
+    return tl.where(bit, if_set, if_clear)
+
+
+@triton.jit
+def _magnitude_search(a, n, mid_ptr, cent_ptr, BITS: tl.constexpr):
+    """(j, c^2) for |y| = a [R, G] and group norms n [R, 1]: j in [0, 2^(BITS-1)) counts the positive
+    midpoints * n that are <= a, c^2 is the square of the centroid that j and the sign pick.
+
+    Positive midpoint i (1-based) is midpoints[HALF - 1 + i], magnitude j's centroid centroids[HALF + j].
+    """
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    M: tl.constexpr = HALF - 1  # midpoints index of 0.0; positive midpoint i sits at M + i
+    if BITS == 2:
+        j0 = a >= tl.load(mid_ptr + M + 1) * n
+        j = j0.to(tl.int32)
+    elif BITS == 3:
+        j1 = a >= tl.load(mid_ptr + M + 2) * n
+        j0 = a >= _pick(j1, tl.load(mid_ptr + M + 3) * n, tl.load(mid_ptr + M + 1) * n)
+        j = j1.to(tl.int32) * 2 + j0.to(tl.int32)
+    else:
+        j2 = a >= tl.load(mid_ptr + M + 4) * n
+        j1 = a >= _pick(j2, tl.load(mid_ptr + M + 6) * n, tl.load(mid_ptr + M + 2) * n)
+        t0 = _pick(j2, _pick(j1, tl.load(mid_ptr + M + 7) * n, tl.load(mid_ptr + M + 5) * n),
+                   _pick(j1, tl.load(mid_ptr + M + 3) * n, tl.load(mid_ptr + M + 1) * n))
+        j0 = a >= t0
+        j = j2.to(tl.int32) * 4 + j1.to(tl.int32) * 2 + j0.to(tl.int32)
+    c0 = tl.load(cent_ptr + HALF)
+    c1 = tl.load(cent_ptr + HALF + 1)
+    if BITS == 2:
+        c2 = _pick(j0, c1 * c1, c0 * c0)
+    else:
+        c2_2 = tl.load(cent_ptr + HALF + 2)
+        c2_3 = tl.load(cent_ptr + HALF + 3)
+        low = _pick(j1, _pick(j0, c2_3 * c2_3, c2_2 * c2_2), _pick(j0, c1 * c1, c0 * c0))
+        if BITS == 3:
+            c2 = low
+        else:
+            c4 = tl.load(cent_ptr + HALF + 4)
+            c5 = tl.load(cent_ptr + HALF + 5)
+            c6 = tl.load(cent_ptr + HALF + 6)
+            c7 = tl.load(cent_ptr + HALF + 7)
+            high = _pick(j1, _pick(j0, c7 * c7, c6 * c6), _pick(j0, c5 * c5, c4 * c4))
+            c2 = _pick(j2, high, low)
+    return j, c2
+
+
+@triton.jit
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr, offset_ptr,
                    first_ptr, second_ptr, inv_sqrt, n_rows, pid,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr):
     NG: tl.constexpr = D // G
+    HALF: tl.constexpr = 1 << (BITS - 1)
     rows = pid * ROWS + tl.arange(0, ROWS)
     tok = rows // H
     head = rows % H
@@ -51,20 +112,21 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
     if HAS_OFFSET:  # offset_ptr: float32 [H, D], one vector per KV head
         x -= tl.load(offset_ptr + head[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
     xg = tl.reshape(x, (ROWS * NG, G))
-    n = tl.sqrt(tl.sum(xg * xg, axis=1))
-    u = xg / tl.where(n > 0, n, 1.0)[:, None]  # a zero group stays zero
-    y = rotate_rows(u, first_ptr, second_ptr, inv_sqrt, ROWS * NG, G, LOG2_G)
-    idx = tl.zeros((ROWS * NG, G), tl.int32)
-    for k in tl.static_range((1 << BITS) - 1):
-        idx += (y >= tl.load(mid_ptr + k)).to(tl.int32)
-    idx = tl.where(n[:, None] > 0, idx, 0)
-    c = centroid_of(idx, cent_ptr, BITS)
-    c_norm = tl.sqrt(tl.sum(c * c, axis=1))
-    stored = tl.where(c_norm > 1e-10, n / c_norm, n)  # zero input: n == 0 gives norm 0
+    n = tl.sqrt(tl.sum(xg * xg, axis=1))[:, None]
+    y = rotate_rows(xg, first_ptr, second_ptr, inv_sqrt, ROWS * NG, G, LOG2_G)  # = n * rotate(x / n)
+    j, c2 = _magnitude_search(tl.abs(y), n, mid_ptr, cent_ptr, BITS)
+    # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
+    # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
+    upper = y >= tl.where(n > 0, 0.0, float("inf"))
+    idx = j ^ tl.where(upper, HALF, HALF - 1)
     row = (slot // PAGE_SIZE * H + head) * PAGE_SIZE + slot % PAGE_SIZE
+    # Packed before the ||c|| reduction: the compiler then keeps no comparison results alive across it.
+    store_indices(tl.reshape(idx, (ROWS, D)), codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
+    c_norm = tl.sqrt(tl.sum(c2, axis=1))
+    n = tl.reshape(n, (ROWS * NG,))
+    stored = tl.where(c_norm > 1e-10, n / c_norm, n)  # zero input: n == 0 gives norm 0
     norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
     tl.store(norms_ptr + norm_offs, tl.reshape(stored, (ROWS, NG)).to(tl.float16), mask=valid[:, None])
-    store_indices(tl.reshape(idx, (ROWS, D)), codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
 
 
 @triton.jit
