@@ -1,0 +1,98 @@
+"""The Triton store kernel picks the spec's nearest centroid in every cell (specs/turboquant.md "Codebook").
+
+Inputs are built in the rotated domain from the spec's definitions (float64): every centroid and a
+point just inside each side of every midpoint, on both halves of the codebook, then rotated back
+with the float64 rotation matrix. The expected index of each coordinate is the float64 count of
+midpoints at or below it, so the test knows the answer without the code under test.
+"""
+
+import bisect
+import math
+
+import pytest
+import torch
+
+from server.kernels.rotation import inv_sqrt_group
+from server.kernels.turbo.codebook import codebook
+from server.kernels.turbo.format import RowLayout, unpack_indices
+from server.kernels.turbo.quantize import store_turbo_triton
+from server.kernels.turbo.store import TurboKVStore
+from turbo_oracle import rotation_matrix64
+
+PAGE = 16
+MARGIN = 0.05  # of the gap between neighbouring centroids: far above fp16 rounding of the inputs
+
+def cell_probes(bits: int, group: int) -> list[float]:
+    """Unit-sphere coordinates: every centroid and, for every midpoint, one point on each side."""
+    c = codebook(bits, group).centroids
+    probes = list(c)
+    for a, b in zip(c[:-1], c[1:]):
+        middle, gap = (a + b) / 2, b - a
+        probes += [middle - MARGIN * gap, middle + MARGIN * gap]
+    return probes
+
+def rows_holding(probes: list[float], bits: int, group: int) -> torch.Tensor:
+    """Unit vectors [R, G] (float64) that carry the probes; a filler coordinate +-f completes each norm,
+    chosen away from every midpoint."""
+    mids = codebook(bits, group).midpoints
+    rows, current = [], []
+    for p in probes + [None]:
+        if p is not None and sum(v * v for v in current) + p * p <= 0.6 and len(current) < group // 2:
+            current.append(p)
+            continue
+        while True:  # another centroid-valued coordinate moves a filler that sits near a midpoint
+            fill = group - len(current)
+            f = math.sqrt((1.0 - sum(v * v for v in current)) / fill)
+            if min(abs(f - m) for m in mids) > 1e-3:
+                break
+            current.append(codebook(bits, group).centroids[-1 - len(current) % 2])
+        rows.append(current + [f if i % 2 else -f for i in range(fill)])
+        current = [] if p is None else [p]
+    return torch.tensor(rows, dtype=torch.float64)
+
+def expected_indices(u: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    mids = codebook(bits, group).midpoints
+    return torch.tensor([[bisect.bisect_right(mids, v) for v in row] for row in u.tolist()], dtype=torch.int32)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim,kind", [(64, "turbo2"), (64, "turbo4"), (128, "turbo3"), (128, "turbo4")])
+def test_every_cell_and_both_sides_of_every_midpoint(head_dim, kind, dtype):
+    bits, group = RowLayout(kind, head_dim).bits, RowLayout(kind, head_dim).group
+    u = rows_holding(cell_probes(bits, group), bits, group)  # [R, G] unit rows, rotated domain
+    gen = torch.Generator().manual_seed(head_dim + bits)
+    u = u[:, torch.randperm(group, generator=gen)]  # probes at every position
+    u = torch.cat([u, -u])  # and their mirror images: the negative half of the codebook
+    scale = torch.rand(len(u), 1, generator=gen, dtype=torch.float64) * 20 + 0.5
+    x = (u * scale) @ rotation_matrix64(group)  # R^T applied to each row: the unrotated input
+    tokens = len(x)
+    store = TurboKVStore(-(-tokens // PAGE) + 1, PAGE, 1, head_dim, kind, kind, "cpu", torch.float32)
+    slots = torch.randperm(store.k.codes.shape[0] * PAGE, generator=gen)[:tokens]
+    k = x.to(dtype).reshape(tokens, 1, head_dim)
+
+    store_turbo_triton(k, k, slots, store.k, store.v, store.signs, inv_sqrt_group(group))
+    got = unpack_indices(store.k.codes[slots // PAGE, 0, slots % PAGE], bits, head_dim)
+    want = expected_indices(u, bits, group)
+    wrong = (got != want).nonzero().tolist()
+    assert not wrong, f"{len(wrong)} coordinates in the wrong cell, first (row, position): {wrong[:5]}"
+    c = torch.tensor(codebook(bits, group).centroids, dtype=torch.float64)
+    norm_want = scale.squeeze(1) / c[want.long()].norm(dim=1)  # ||x|| / ||c||
+    norm_got = store.k.norms[slots // PAGE, 0, slots % PAGE, 0].double()
+    assert torch.allclose(norm_got, norm_want, rtol=2e-3, atol=0), (norm_got - norm_want).abs().max()
+
+def test_a_zero_group_beside_a_nonzero_one_gets_index_and_norm_zero():
+    """head_dim 256 = two groups: the zero group must not borrow anything from its neighbour."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 2, 256, generator=gen)
+    x[:, 0, :128] = 0.0  # first group of head 0
+    x[:, 1, 128:] = 0.0  # second group of head 1
+    store = TurboKVStore(2, PAGE, 2, 256, "turbo4", "turbo3", "cpu", torch.float32)
+    slots = torch.tensor([3, 17, 4, 30, 9])
+
+    store_turbo_triton(x, x, slots, store.k, store.v, store.signs, store.inv_sqrt)
+    for pages in (store.k, store.v):
+        idx = unpack_indices(pages.codes[slots // PAGE, :, slots % PAGE], pages.bits, 256)
+        norms = pages.norms[slots // PAGE, :, slots % PAGE]
+        assert idx[:, 0, :128].eq(0).all() and idx[:, 1, 128:].eq(0).all(), "a zero group must store index 0"
+        assert norms[:, 0, 0].eq(0).all() and norms[:, 1, 1].eq(0).all(), "a zero group must store norm 0"
+        assert norms[:, 0, 1].gt(0).all() and norms[:, 1, 0].gt(0).all()
+        assert idx[:, 0, 128:].ne(0).any() and idx[:, 1, :128].ne(0).any()
