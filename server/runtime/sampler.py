@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from server.kernels.argmax import argmax_rows
 from server.runtime.host_copy import to_device
 from server.runtime.sequence import Sequence, TokenLogprob
 
@@ -161,7 +162,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """[B, V] float32 logits -> [B] int64 token ids."""
     if st.penalties is not None:
         logits = apply_penalties(logits, *st.penalties)
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if st.all_greedy:
         return greedy
     logits = logits / st.temperature[:, None]
@@ -170,7 +171,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.use_top_k_top_p:
         logits = mask_top_k_top_p(logits, st.top_k, st.top_p)
     probs = torch.softmax(logits, dim=-1)
-    sampled = (probs / exponential_noise(st.keys, logits.shape[1])).argmax(dim=-1)
+    sampled = argmax_rows(probs / exponential_noise(st.keys, logits.shape[1]))
     return torch.where(st.greedy, greedy, sampled)
 
 
