@@ -21,18 +21,28 @@ the other side, and an exact tie on the negative side goes to the lower index. A
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from server.kernels.rotation import rotate_rows
+from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
 
 ROWS_PER_PROGRAM = 16
+# Programs per SM for each of K and V: each loops over tiles of ROWS_PER_PROGRAM rows, so the sign
+# patterns and the codebook are loaded once per program, not once per tile.
+PROGRAMS_PER_SM = 4
+INTERPRETER_PROGRAMS = 2  # on CPU: few programs, so the tests run the tile loop more than once
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass
@@ -53,80 +63,89 @@ def _pick(bit, if_set, if_clear):
 
 
 @triton.jit
-def _magnitude_search(a, n, mid_ptr, cent_ptr, BITS: tl.constexpr):
-    """(j, c^2) for |y| = a [R, G] and group norms n [R, 1]: j in [0, 2^(BITS-1)) counts the positive
-    midpoints * n that are <= a, c^2 is the square of the centroid that j and the sign pick.
+def _half_entry(ptr, first, i: tl.constexpr, count: tl.constexpr):
+    """ptr[first + i] as a float32 scalar, 0.0 from i = count on (smaller codebooks)."""
+    return tl.load(ptr + first + i, mask=i < count, other=0.0)
 
-    Positive midpoint i (1-based) is midpoints[HALF - 1 + i], magnitude j's centroid centroids[HALF + j].
-    """
-    HALF: tl.constexpr = 1 << (BITS - 1)
-    M: tl.constexpr = HALF - 1  # midpoints index of 0.0; positive midpoint i sits at M + i
+
+@triton.jit
+def _magnitude_search(a, n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr):
+    """(j, c^2) for |y| = a [R, G] and group norms n [R, 1]: j in [0, 2^(BITS-1)) counts the positive
+    midpoints p1 < p2 < ... (times n) that are <= a; c^2 = q_j, the squared centroid j above the middle."""
     if BITS == 2:
-        j0 = a >= tl.load(mid_ptr + M + 1) * n
+        j0 = a >= p1 * n
         j = j0.to(tl.int32)
+        c2 = _pick(j0, q1, q0)
     elif BITS == 3:
-        j1 = a >= tl.load(mid_ptr + M + 2) * n
-        j0 = a >= _pick(j1, tl.load(mid_ptr + M + 3) * n, tl.load(mid_ptr + M + 1) * n)
+        j1 = a >= p2 * n
+        j0 = a >= _pick(j1, p3 * n, p1 * n)
         j = j1.to(tl.int32) * 2 + j0.to(tl.int32)
+        c2 = _pick(j1, _pick(j0, q3, q2), _pick(j0, q1, q0))
     else:
-        j2 = a >= tl.load(mid_ptr + M + 4) * n
-        j1 = a >= _pick(j2, tl.load(mid_ptr + M + 6) * n, tl.load(mid_ptr + M + 2) * n)
-        t0 = _pick(j2, _pick(j1, tl.load(mid_ptr + M + 7) * n, tl.load(mid_ptr + M + 5) * n),
-                   _pick(j1, tl.load(mid_ptr + M + 3) * n, tl.load(mid_ptr + M + 1) * n))
-        j0 = a >= t0
+        j2 = a >= p4 * n
+        j1 = a >= _pick(j2, p6 * n, p2 * n)
+        j0 = a >= _pick(j2, _pick(j1, p7 * n, p5 * n), _pick(j1, p3 * n, p1 * n))
         j = j2.to(tl.int32) * 4 + j1.to(tl.int32) * 2 + j0.to(tl.int32)
-    c0 = tl.load(cent_ptr + HALF)
-    c1 = tl.load(cent_ptr + HALF + 1)
-    if BITS == 2:
-        c2 = _pick(j0, c1 * c1, c0 * c0)
-    else:
-        c2_2 = tl.load(cent_ptr + HALF + 2)
-        c2_3 = tl.load(cent_ptr + HALF + 3)
-        low = _pick(j1, _pick(j0, c2_3 * c2_3, c2_2 * c2_2), _pick(j0, c1 * c1, c0 * c0))
-        if BITS == 3:
-            c2 = low
-        else:
-            c4 = tl.load(cent_ptr + HALF + 4)
-            c5 = tl.load(cent_ptr + HALF + 5)
-            c6 = tl.load(cent_ptr + HALF + 6)
-            c7 = tl.load(cent_ptr + HALF + 7)
-            high = _pick(j1, _pick(j0, c7 * c7, c6 * c6), _pick(j0, c5 * c5, c4 * c4))
-            c2 = _pick(j2, high, low)
+        c2 = _pick(j2, _pick(j1, _pick(j0, q7, q6), _pick(j0, q5, q4)),
+                   _pick(j1, _pick(j0, q3, q2), _pick(j0, q1, q0)))
     return j, c2
 
 
 @triton.jit
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr, offset_ptr,
-                   first_ptr, second_ptr, inv_sqrt, n_rows, pid,
+                   first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr):
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    tok = rows // H
-    head = rows % H
-    slot = tl.load(slot_ptr + tok, mask=rows < n_rows, other=-1).to(tl.int64)
-    valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
-    x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + head[:, None] * stride_h + tl.arange(0, D)[None, :],
-                mask=valid[:, None], other=0.0).to(tl.float32)
-    if HAS_OFFSET:  # offset_ptr: float32 [H, D], one vector per KV head
-        x -= tl.load(offset_ptr + head[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-    xg = tl.reshape(x, (ROWS * NG, G))
-    n = tl.sqrt(tl.sum(xg * xg, axis=1))[:, None]
-    y = rotate_rows(xg, first_ptr, second_ptr, inv_sqrt, ROWS * NG, G, LOG2_G)  # = n * rotate(x / n)
-    j, c2 = _magnitude_search(tl.abs(y), n, mid_ptr, cent_ptr, BITS)
-    # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
-    # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
-    upper = y >= tl.where(n > 0, 0.0, float("inf"))
-    idx = j ^ tl.where(upper, HALF, HALF - 1)
-    row = (slot // PAGE_SIZE * H + head) * PAGE_SIZE + slot % PAGE_SIZE
-    # Packed before the ||c|| reduction: the compiler then keeps no comparison results alive across it.
-    store_indices(tl.reshape(idx, (ROWS, D)), codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
-    c_norm = tl.sqrt(tl.sum(c2, axis=1))
-    n = tl.reshape(n, (ROWS * NG,))
-    stored = tl.where(c_norm > 1e-10, n / c_norm, n)  # zero input: n == 0 gives norm 0
-    norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
-    tl.store(norms_ptr + norm_offs, tl.reshape(stored, (ROWS, NG)).to(tl.float16), mask=valid[:, None])
+    # Per program, before the tile loop (the compiler cannot hoist loads past the stores): the sign
+    # patterns of rotation.rotate_rows and the codebook's positive half.
+    flip = sign_masks(first_ptr, G)
+    scale = tl.where(sign_masks(second_ptr, G) != 0, -inv_sqrt, inv_sqrt)
+    p1 = _half_entry(mid_ptr, HALF - 1, 1, HALF)  # midpoints[HALF - 1] is the middle one, 0.0
+    p2 = _half_entry(mid_ptr, HALF - 1, 2, HALF)
+    p3 = _half_entry(mid_ptr, HALF - 1, 3, HALF)
+    p4 = _half_entry(mid_ptr, HALF - 1, 4, HALF)
+    p5 = _half_entry(mid_ptr, HALF - 1, 5, HALF)
+    p6 = _half_entry(mid_ptr, HALF - 1, 6, HALF)
+    p7 = _half_entry(mid_ptr, HALF - 1, 7, HALF)
+    q0 = _half_entry(cent_ptr, HALF, 0, HALF)
+    q1 = _half_entry(cent_ptr, HALF, 1, HALF)
+    q2 = _half_entry(cent_ptr, HALF, 2, HALF)
+    q3 = _half_entry(cent_ptr, HALF, 3, HALF)
+    q4 = _half_entry(cent_ptr, HALF, 4, HALF)
+    q5 = _half_entry(cent_ptr, HALF, 5, HALF)
+    q6 = _half_entry(cent_ptr, HALF, 6, HALF)
+    q7 = _half_entry(cent_ptr, HALF, 7, HALF)
+    q0, q1, q2, q3, q4, q5, q6, q7 = q0 * q0, q1 * q1, q2 * q2, q3 * q3, q4 * q4, q5 * q5, q6 * q6, q7 * q7
+    for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        tok = rows // H
+        head = rows % H
+        slot = tl.load(slot_ptr + tok, mask=rows < n_rows, other=-1).to(tl.int64)
+        valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + head[:, None] * stride_h
+                    + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        if HAS_OFFSET:  # offset_ptr: float32 [H, D], one vector per KV head
+            x -= tl.load(offset_ptr + head[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+        xg = tl.reshape(x, (ROWS * NG, G))
+        n = tl.sqrt(tl.sum(xg * xg, axis=1))[:, None]
+        # rotation.rotate_rows with the signs hoisted: y = n * rotate(x / n), the rotation being linear
+        y = fwht_rows((xg.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True), ROWS * NG, G, LOG2_G)
+        y = y * scale
+        j, c2 = _magnitude_search(tl.abs(y), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
+        # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
+        upper = y >= tl.where(n > 0, 0.0, float("inf"))
+        idx = j ^ tl.where(upper, HALF, HALF - 1)
+        row = (slot // PAGE_SIZE * H + head) * PAGE_SIZE + slot % PAGE_SIZE
+        # Packed before the ||c|| reduction: the compiler then keeps no comparison results alive across it.
+        store_indices(tl.reshape(idx, (ROWS, D)), codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
+        c_norm = tl.sqrt(tl.sum(c2, axis=1))
+        n_flat = tl.reshape(n, (ROWS * NG,))
+        stored = tl.where(c_norm > 1e-10, n_flat / c_norm, n_flat)  # zero input: n == 0 gives norm 0
+        norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
+        tl.store(norms_ptr + norm_offs, tl.reshape(stored, (ROWS, NG)).to(tl.float16), mask=valid[:, None])
 
 
 @triton.jit
@@ -136,23 +155,23 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   K_OFFSET: tl.constexpr):
-    pid = tl.program_id(0)
     if tl.program_id(1) == 0:
         _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET)
+                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET)
     else:
         _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, pid, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False)
+                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
                        v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                       k_offset: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+                       k_offset: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM,
+                       programs_per_sm: int = PROGRAMS_PER_SM) -> None:
     """Quantize k - k_offset and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch for both.
 
     ``k_offset``: float32 [kv_heads, D], contiguous (TurboKVStore.k_offset); None: the spec's plain format.
 
-    ``rows_per_program`` (token-head rows per program) exists for the benchmark's sweep.
+    ``rows_per_program`` (token-head rows per tile) and ``programs_per_sm`` exist for the benchmark's sweep.
     """
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -161,7 +180,12 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     if n_rows == 0:
         return
     group = group_size(head_dim)
-    grid = (triton.cdiv(n_rows, rows_per_program), 2)
+    tiles = triton.cdiv(n_rows, rows_per_program)
+    if k.device.type == "cuda":
+        programs = min(tiles, _multiprocessors(k.device) * programs_per_sm)
+    else:
+        programs = min(tiles, INTERPRETER_PROGRAMS)
+    grid = (programs, 2)
     with timed("turbo_store", k.device):
         _store_kernel[grid](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping,
