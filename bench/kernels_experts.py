@@ -9,11 +9,13 @@ Routing puts each case's tokens on experts [g·m, (g+1)·m) for input set g, so 
 `bmm` a contiguous slice of the expert stack (no gather copy) and consecutive timed calls read
 different experts (nothing left in L2). "ours" is the full op (routing, rotations, two fused
 kernels, top-k sum); the "kernels only" rows time the two fused launches alone, whose packed
-weight bytes are the bandwidth numerator; at decode sizes that use the one-pair-per-program
-GEMV body (moe.use_gemv) a "GEMM body" row times the tl.dot body on the same inputs.
+weight bytes are the bandwidth numerator; at decode sizes (moe.use_gemv) rows for the other decode
+bodies (q2_0: the tensor-core MMA body runs, GEMV and GEMM rows compare; others: GEMV runs, a GEMM
+row compares) time them on the same inputs.
 
 The full run also prints two sweeps that inform the launch choices: GEMM-body decode tiles
-(moe._tile_shape) and GEMV pipeline depth / rows per program (moe.gemv_stages, moe.GEMV_BLOCK_N).
+(moe._tile_shape) and GEMV pipeline depth / rows per program (moe.gemv_stages, moe.GEMV_BLOCK_N);
+EXPERTS_SWEEP_MMA=1 adds the q2_0 tensor-core body's tiles (moe.mma_*) to any run.
 
 EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a minute plus
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
@@ -116,11 +118,11 @@ def check_correctness(device) -> list[str]:
             ids[0, 1] = ids[0, 0]  # one token routed twice to one expert
             w = torch.rand((tokens, top_k), generator=gen, device=device)
             ref = fused_moe_reference(x.float(), w, ids, gu, dn)
-            gemv_used = moe.use_gemv(fmt, ids.numel(), e)
-            for gemv in (True, False) if gemv_used else (False,):
+            body = _decode_body(fmt, ids.numel(), e)
+            for gemv in (True, False) if body != "gemm" else (False,):
                 fast = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=gemv).float()
                 err = ((fast - ref).norm() / ref.norm()).item()
-                lines.append(f"{fmt} D={d} I={i} T={tokens} {'GEMV' if gemv else 'GEMM'} body: rel err {err:.2e}")
+                lines.append(f"{fmt} D={d} I={i} T={tokens} {body.upper() if gemv else 'GEMM'} body: rel err {err:.2e}")
                 if not err < 2e-2:  # bf16 activations and bf16 h between the kernels
                     raise AssertionError(f"fast experts kernel disagrees with the reference: {lines[-1]}")
     return lines
@@ -151,42 +153,52 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> lis
             ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn), n_inputs=n_sets, device=device)
             base = time_ms(lambda j: bf16_bmm_moe(sets[j][0], sets[j][2], sets[j][1], base_gu, base_dn, sets[j][3], m),
                            n_inputs=n_sets, device=device)
-            gemv = moe.use_gemv(fmt, tokens * shape["top_k"], e)
-            kernels = [_prepared_kernels(s, gu, dn, gemv) for s in sets[:n_sets]]
+            body = _decode_body(fmt, tokens * shape["top_k"], e)
+            kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
             k_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
             nbytes = gu.packed_bytes(used) + dn.packed_bytes(used)
             case = f"{label} {fmt} decode T={tokens} ({used} experts)"
-            body = "GEMV body" if gemv else "GEMM body"
             rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + kernels)"))
-            rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm", f"two fused launches, {body}"))
-            if gemv:  # the tl.dot body on the same inputs, for comparison
-                kernels = [_prepared_kernels(s, gu, dn, False) for s in sets[:n_sets]]
-                g_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
-                rows.append(Row(case + " kernels only, GEMM body", g_ms, base, nbytes, "bf16 bmm",
+            rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm",
+                            f"two fused launches, {body.upper()} body"))
+            # the other decode bodies on the same inputs, for comparison
+            for other in ("gemv", "gemm") if body == "mma" else ("gemm",) if body == "gemv" else ():
+                kernels = [_prepared_kernels(s, gu, dn, other) for s in sets[:n_sets]]
+                o_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                rows.append(Row(case + f" kernels only, {other.upper()} body", o_ms, base, nbytes, "bf16 bmm",
                                 "two fused launches"))
     return rows
 
 
-def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, gemv: bool):
-    """The two fused launches of moe.fused_moe_triton on prepared inputs (``gemv`` picks the body)."""
+def _decode_body(fmt: str, num_pairs: int, num_experts: int) -> str:
+    """Which body moe.fused_moe_triton runs for bf16 activations: "mma", "gemv" or "gemm"."""
+    if not moe.use_gemv(fmt, num_pairs, num_experts):
+        return "gemm"
+    return "mma" if moe.use_mma(fmt, torch.bfloat16) else "gemv"
+
+
+def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
+    """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "mma", "gemv" or "gemm")."""
     x, w, ids, _ = s
     top_k = ids.shape[1]
     xr = gu.rotate_input(x).contiguous()
     h = torch.empty((ids.numel(), gu.shape[1] // 2), dtype=x.dtype, device=x.device)
     y = torch.empty((ids.numel(), gu.shape[2]), dtype=torch.float32, device=x.device)
     routing = w.reshape(-1).float().contiguous()
-    if gemv:
+    if body == "gemv":
         expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
 
         def run():
             moe.launch_expert_gemv(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
             moe.launch_expert_gemv(h, y, expert_ids, dn, routing=routing)
     else:
-        blocks = align_pairs(ids, gu.shape[0], moe.choose_block_m(ids.numel(), gu.shape[0]))
+        block_m = moe.MMA_BLOCK_T if body == "mma" else moe.choose_block_m(ids.numel(), gu.shape[0])
+        launch = moe.launch_expert_mma if body == "mma" else moe.launch_expert_gemm
+        blocks = align_pairs(ids, gu.shape[0], block_m)
 
         def run():
-            moe.launch_expert_gemm(xr, h, blocks, gu, dual=True, a_row_div=top_k)
-            moe.launch_expert_gemm(h, y, blocks, dn, routing=routing)
+            launch(xr, h, blocks, gu, dual=True, a_row_div=top_k)
+            launch(h, y, blocks, dn, routing=routing)
 
     return run
 
@@ -232,7 +244,7 @@ def sweep_decode_tiles(device) -> None:
             nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
             for tile in SWEEP:
                 moe.tile_override = tile
-                kernels = [_prepared_kernels(s, gu, dn, False) for s in sets[:n_sets]]
+                kernels = [_prepared_kernels(s, gu, dn, "gemm") for s in sets[:n_sets]]
                 ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                 print(f"sweep {label} {fmt} T=1 tile {tile}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
             moe.tile_override = None
@@ -254,7 +266,7 @@ def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8),
                 nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
                 for depth, block_n in configs:
                     moe.gemv_stages, moe.GEMV_BLOCK_N = depth, block_n
-                    kernels = [_prepared_kernels(s, gu, dn, True) for s in sets[:n_sets]]
+                    kernels = [_prepared_kernels(s, gu, dn, "gemv") for s in sets[:n_sets]]
                     ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                     print(f"sweep gemv deep {fmt} T={tokens} stages={depth} block_n={block_n}: "
                           f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s", flush=True)
@@ -262,9 +274,67 @@ def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8),
         moe.gemv_stages, moe.GEMV_BLOCK_N = saved
 
 
+MMA_SWEEP = ((128, 4, 4, 3), (128, 4, 4, 2), (128, 4, 4, 4), (128, 2, 4, 3), (128, 8, 4, 3), (64, 4, 4, 3),
+             (64, 8, 4, 3), (256, 2, 8, 3), (128, 4, 8, 3))
+
+
+def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -> None:
+    """Print kernel-only times of the q2_0 tensor-core body at the deep shape for (rows per program, q blocks
+    per K step, warps, pipeline depth) (informs moe.mma_block_n, mma_unroll, mma_warps, mma_stages), with the
+    GEMV body on the same inputs."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
+    saved = moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages
+    gu = random_weights("q2_0", e, 2 * i, d, device, gen)
+    dn = random_weights("q2_0", e, d, i, device, gen)
+    try:
+        for tokens in token_counts:
+            sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
+            nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+            for body, config in [("gemv", None)] + [("mma", c) for c in configs]:
+                if config is not None:
+                    moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages = config
+                try:
+                    kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
+                    ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
+                    print(f"sweep mma deep q2_0 T={tokens} {body} {config}: failed ({exc.__class__.__name__})")
+                    continue
+                gbs = nbytes / ms / 1e6
+                print(f"sweep mma deep q2_0 T={tokens} {body} (block_n, unroll, warps, stages)={config}: "
+                      f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy", flush=True)
+    finally:
+        moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages = saved
+
+
+def check_mma(device) -> list[str]:
+    """The q2_0 tensor-core body (inline assembly, fp16 and bf16) against the float32 reference at the deep
+    widths, 1 to 8 tokens; raises on mismatch."""
+    gen = torch.Generator(device=device).manual_seed(6)
+    lines = []
+    gu = random_weights("q2_0", 64, 2 * 2048, 6144, device, gen)
+    dn = random_weights("q2_0", 64, 6144, 2048, device, gen)
+    for dtype, bound in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        for tokens in (1, 3, 8):
+            x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
+            ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
+            ids[0, 1] = ids[0, 0]  # one token routed twice to one expert
+            w = torch.rand((tokens, 8), generator=gen, device=device)
+            ref = fused_moe_reference(x.float(), w, ids, gu, dn)
+            out = torch.full((tokens, 6144), float("nan"), device=device)
+            out.copy_(moe.fused_moe_triton(x, w.to(dtype), ids, gu, dn, gemv=True).float())
+            err = ((out - ref).norm() / ref.norm()).item()
+            lines.append(f"q2_0 MMA body {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
+            if not err < bound:
+                raise AssertionError(f"tensor-core q2_0 body disagrees with the reference: {lines[-1]}")
+    return lines
+
+
 def run(device: torch.device, copy_gbs: float):
-    for line in check_correctness(device):
+    for line in check_correctness(device) + check_mma(device):
         print("correctness:", line, flush=True)
+    if os.environ.get("EXPERTS_SWEEP_MMA") == "1":
+        sweep_mma(device, copy_gbs)
     if QUICK:
         sections = (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 8), copy_gbs, device),
                     lambda: _decode_rows(MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,), copy_gbs, device))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import triton
@@ -18,6 +19,7 @@ from server.kernels.experts import e8p
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
 from server.kernels.experts.moe_gemv import _expert_gemv, field_mask
+from server.kernels.experts.moe_mma import _expert_mma, tile_order
 from server.kernels.experts.routing import ExpertBlocks, align_pairs
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.timing import timed
@@ -87,7 +89,11 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     routing = topk_weights.reshape(-1).float().contiguous()
-    if gemv:
+    if gemv and use_mma(gate_up.format, x.dtype):
+        blocks = align_pairs(topk_ids, num_e, MMA_BLOCK_T)
+        launch_expert_mma(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
+        launch_expert_mma(down.rotate_input(h), y_pairs, blocks, down, routing=routing)
+    elif gemv:
         expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         launch_expert_gemv(xr, h, expert_ids, gate_up, dual=True, a_row_div=top_k)
         launch_expert_gemv(down.rotate_input(h).contiguous(), y_pairs, expert_ids, down, routing=routing)
@@ -155,6 +161,34 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
             BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=gemv_stages, num_warps=4,
         )
 
+
+def use_mma(fmt: str, dtype: torch.dtype) -> bool:
+    """q2_0 decode with fp16/bf16 activations (the MMA's operand types) takes the tensor-core body."""
+    return fmt == "q2_0" and dtype in (torch.float16, torch.bfloat16)
+
+
+def launch_expert_mma(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, w: ExpertWeights,
+                      dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """As launch_expert_gemm for q2_0 on tensor cores (moe_mma.py); blocks of MMA_BLOCK_T pairs."""
+    num_e, rows, k = w.shape
+    n = rows // 2 if dual else rows
+    codes, d = w.tensors["codes"], w.tensors["d"]
+    tiles = tile_order(a)
+    blocks_per_step = next(b for b in (mma_unroll, 2, 1) if k % (64 * b) == 0)
+    grid = (blocks.num_blocks, triton.cdiv(n, mma_block_n))
+    with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_mma", a.device):
+        _expert_mma[grid](
+            tiles, out, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out, codes, d,
+            n, k, blocks.num_pairs, tiles.stride(0), out.stride(0), codes.stride(0), codes.stride(1),
+            d.stride(0), d.stride(1), DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
+            BLOCK_N=mma_block_n, BLOCK_T=blocks.block_m, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            UNROLL=blocks_per_step, num_warps=mma_warps, num_stages=mma_stages,
+        )
+
+
+MMA_BLOCK_T = 16  # pairs per block: the MMA's N (Hopper's warpgroup MMA takes N = 16 here, not 8)
+# Tile of the tensor-core body; module-level so benchmark sweeps can set them.
+mma_block_n, mma_unroll, mma_warps, mma_stages = 128, 4, 4, 3
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
 # Software-pipeline depth of the GEMV K loop (tl.range num_stages; > 1 puts the weight loads in a cp.async
