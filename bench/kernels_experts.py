@@ -24,6 +24,7 @@ q2_0 and q1_0, no tile sweep, no prefill.
 
 from __future__ import annotations
 
+import itertools
 import os
 import traceback
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from bench.harness import Row, time_ms
 from server.kernels.experts import moe
 from server.kernels.experts.moe_reference import fused_moe_reference
-from server.kernels.experts.routing import align_pairs
+from server.kernels.experts.routing import align_pairs, single_pair_blocks
 from server.kernels.experts.weights import ExpertWeights, random_signs, rotation_group
 
 FORMATS = ("e8p", "e8p3", "q2_0", "q1_0")
@@ -192,9 +193,11 @@ def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
             moe.launch_expert_gemv(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
             moe.launch_expert_gemv(h, y, expert_ids, dn, routing=routing)
     else:
-        block_m = moe.MMA_BLOCK_T if body == "mma" else moe.choose_block_m(ids.numel(), gu.shape[0])
-        launch = moe.launch_expert_mma if body == "mma" else moe.launch_expert_gemm
-        blocks = align_pairs(ids, gu.shape[0], block_m)
+        if body == "mma":
+            launch, blocks = moe.launch_expert_mma, single_pair_blocks(ids, moe.MMA_BLOCK_T)
+        else:
+            launch = moe.launch_expert_gemm
+            blocks = align_pairs(ids, gu.shape[0], moe.choose_block_m(ids.numel(), gu.shape[0]))
 
         def run():
             launch(xr, h, blocks, gu, dual=True, a_row_div=top_k)
@@ -274,47 +277,56 @@ def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8),
         moe.gemv_stages, moe.GEMV_BLOCK_N = saved
 
 
-MMA_SWEEP = ((128, 4, 4, 3), (128, 4, 4, 2), (128, 4, 4, 4), (128, 2, 4, 3), (128, 8, 4, 3), (64, 4, 4, 3),
-             (64, 8, 4, 3), (256, 2, 8, 3), (128, 4, 8, 3))
+# (rows per program, q blocks per K step, warps, pipeline depth, d folded into the operand)
+MMA_SWEEP = ((128, 4, 4, 3, True), (128, 2, 4, 3, True), (128, 1, 4, 3, True), (64, 4, 4, 3, True),
+             (64, 2, 4, 3, True), (128, 4, 4, 4, True), (128, 2, 4, 4, True), (64, 4, 4, 4, True),
+             (128, 2, 4, 3, False), (64, 4, 4, 3, False))
 
 
-def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -> None:
-    """Print kernel-only times of the q2_0 tensor-core body at the deep shape for (rows per program, q blocks
-    per K step, warps, pipeline depth) (informs moe.mma_block_n, mma_unroll, mma_warps, mma_stages), with the
-    GEMV body on the same inputs."""
+def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -> tuple:
+    """Print kernel-only times of the q2_0 tensor-core body at the deep shape for the MMA_SWEEP tiles (informs
+    moe.mma_*), with the GEMV body on the same inputs; leaves moe.mma_* at the fastest tile over all token
+    counts (so the rows measured after it use that tile) and returns it."""
     gen = torch.Generator(device=device).manual_seed(5)
     d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
-    saved = moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages
+    totals = dict.fromkeys(configs, 0.0)
     gu = random_weights("q2_0", e, 2 * i, d, device, gen)
     dn = random_weights("q2_0", e, d, i, device, gen)
-    try:
-        for tokens in token_counts:
-            sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
-            nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
-            for body, config in [("gemv", None)] + [("mma", c) for c in configs]:
+    for tokens in token_counts:
+        sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
+        nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+        for body, config in [("gemv", None)] + [("mma", c) for c in configs]:
+            if config is not None:
+                moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages, moe.mma_fold_d = config
+            try:
+                kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
+                ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
+                print(f"sweep mma deep q2_0 T={tokens} {body} {config}: failed ({exc.__class__.__name__}: {exc})")
                 if config is not None:
-                    moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages = config
-                try:
-                    kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
-                    ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
-                except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
-                    print(f"sweep mma deep q2_0 T={tokens} {body} {config}: failed ({exc.__class__.__name__})")
-                    continue
-                gbs = nbytes / ms / 1e6
-                print(f"sweep mma deep q2_0 T={tokens} {body} (block_n, unroll, warps, stages)={config}: "
-                      f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy", flush=True)
-    finally:
-        moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages = saved
+                    totals[config] = float("inf")
+                continue
+            if config is not None:
+                totals[config] += ms
+            gbs = nbytes / ms / 1e6
+            print(f"sweep mma deep q2_0 T={tokens} {body} (block_n, unroll, warps, stages, fold_d)={config}: "
+                  f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy", flush=True)
+    best = min(totals, key=totals.get)
+    moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages, moe.mma_fold_d = best
+    print(f"sweep mma: fastest over T={token_counts}: {best}; the rows below use it", flush=True)
+    return best
 
 
 def check_mma(device) -> list[str]:
-    """The q2_0 tensor-core body (inline assembly, fp16 and bf16) against the float32 reference at the deep
-    widths, 1 to 8 tokens; raises on mismatch."""
+    """The q2_0 tensor-core body (inline assembly, fp16 and bf16, d folded into the operand or not) against
+    the float32 reference at the deep widths, 1 to 8 tokens; raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(6)
     lines = []
     gu = random_weights("q2_0", 64, 2 * 2048, 6144, device, gen)
     dn = random_weights("q2_0", 64, 6144, 2048, device, gen)
-    for dtype, bound in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+    saved = moe.mma_fold_d
+    for fold_d, (dtype, bound) in itertools.product((False, True), ((torch.bfloat16, 1e-2), (torch.float16, 2e-3))):
+        moe.mma_fold_d = fold_d
         for tokens in (1, 3, 8):
             x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
             ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
@@ -324,9 +336,11 @@ def check_mma(device) -> list[str]:
             out = torch.full((tokens, 6144), float("nan"), device=device)
             out.copy_(moe.fused_moe_triton(x, w.to(dtype), ids, gu, dn, gemv=True).float())
             err = ((out - ref).norm() / ref.norm()).item()
-            lines.append(f"q2_0 MMA body {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
+            lines.append(f"q2_0 MMA body {dtype} fold_d={fold_d} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
             if not err < bound:
+                moe.mma_fold_d = saved
                 raise AssertionError(f"tensor-core q2_0 body disagrees with the reference: {lines[-1]}")
+    moe.mma_fold_d = saved
     return lines
 
 

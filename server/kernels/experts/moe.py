@@ -20,7 +20,7 @@ from server.kernels.experts.moe_reference import check_moe_args, fused_moe_refer
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
 from server.kernels.experts.moe_gemv import _expert_gemv, field_mask
 from server.kernels.experts.moe_mma import _expert_mma, tile_order
-from server.kernels.experts.routing import ExpertBlocks, align_pairs
+from server.kernels.experts.routing import ExpertBlocks, align_pairs, single_pair_blocks
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.timing import timed
 
@@ -90,7 +90,7 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     routing = topk_weights.reshape(-1).float().contiguous()
     if gemv and use_mma(gate_up.format, x.dtype):
-        blocks = align_pairs(topk_ids, num_e, MMA_BLOCK_T)
+        blocks = single_pair_blocks(topk_ids, MMA_BLOCK_T)
         launch_expert_mma(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
         launch_expert_mma(down.rotate_input(h), y_pairs, blocks, down, routing=routing)
     elif gemv:
@@ -182,13 +182,14 @@ def launch_expert_mma(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, 
             n, k, blocks.num_pairs, tiles.stride(0), out.stride(0), codes.stride(0), codes.stride(1),
             d.stride(0), d.stride(1), DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
             BLOCK_N=mma_block_n, BLOCK_T=blocks.block_m, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-            UNROLL=blocks_per_step, num_warps=mma_warps, num_stages=mma_stages,
+            UNROLL=blocks_per_step, FOLD_D=mma_fold_d, num_warps=mma_warps, num_stages=mma_stages,
         )
 
 
 MMA_BLOCK_T = 16  # pairs per block: the MMA's N (Hopper's warpgroup MMA takes N = 16 here, not 8)
 # Tile of the tensor-core body; module-level so benchmark sweeps can set them.
 mma_block_n, mma_unroll, mma_warps, mma_stages = 128, 4, 4, 3
+mma_fold_d = False
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
 # Software-pipeline depth of the GEMV K loop (tl.range num_stages; > 1 puts the weight loads in a cp.async

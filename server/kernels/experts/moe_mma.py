@@ -42,8 +42,9 @@ def tile_order(a: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _levels_pair(word, S: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
-    """int32 words [R, W] -> [R, W, 2]: (level of field S, level of field S + 8), levels q - 1, exact."""
+def _levels_pair(word, d, S: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, FOLD_D: tl.constexpr):
+    """int32 words [R, W] -> [R, W, 2]: (level of field S, level of field S + 8), levels q - 1, exact;
+    times d [R] (operand dtype) when FOLD_D."""
     if ASM:
         IN_PLACE: tl.constexpr = 3 if BF16 else 5  # fields whose bits stay under the exponent
         SHIFT: tl.constexpr = 6 * (S // IN_PLACE)
@@ -55,29 +56,40 @@ def _levels_pair(word, S: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
         minus: tl.constexpr = (magic + (1 << (2 * FIELD))) * 0x10001  # the pattern of 2^(M - 2·FIELD) + 1
         src = word >> SHIFT if SHIFT > 0 else word
         sub: tl.constexpr = "sub.rn.bf16x2" if BF16 else "sub.rn.f16x2"
-        # One LOP3 (AND with the field mask, OR with the exponent) and one HADD2 per two weights; the
-        # constants arrive as operands, which ptxas folds into the instructions' immediates.
-        # pack=2: the assembly reads the first copy of each operand and writes both halves of $0.
+        mul: tl.constexpr = "mul.rn.bf16x2" if BF16 else "mul.rn.f16x2"
+        # One LOP3 (AND with the field mask, OR with the exponent) and one HADD2 per two weights (and one
+        # HMUL2 by d, d); the constants arrive as operands, which ptxas folds into immediates.
+        # pack=2: the assembly reads the first copy of each 32-bit operand and writes both halves of $0;
+        # d's two 16-bit copies share one register.
+        if FOLD_D:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, $3, $5, 0xEA; " + sub + " t, t, $7; " + mul + " $0, t, $9; }",
+                "=r,r,r,r,r,r,r,r,r,r", [tl.join(src, src), 0x00030003 << (2 * FIELD), magic * 0x10001, minus,
+                                         tl.join(d, d)[:, None, :]],
+                dtype=tl.bfloat16 if BF16 else tl.float16, is_pure=True, pack=2)
         return tl.inline_asm_elementwise(
             "{ .reg .b32 t; lop3.b32 t, $1, $3, $5, 0xEA; " + sub + " $0, t, $7; }", "=r,r,r,r,r,r,r,r,r",
             [tl.join(src, src), 0x00030003 << (2 * FIELD), magic * 0x10001, minus],
             dtype=tl.bfloat16 if BF16 else tl.float16, is_pure=True, pack=2)
     lo = ((word >> (2 * S)) & 3) - 1
     hi = ((word >> (2 * S + 16)) & 3) - 1
-    return tl.join(lo, hi).to(tl.bfloat16 if BF16 else tl.float16)
+    levels = tl.join(lo, hi).to(tl.bfloat16 if BF16 else tl.float16)
+    if FOLD_D:
+        levels = levels * d[:, None, None]
+    return levels
 
 
 @triton.jit
-def _q2_levels(word, BF16: tl.constexpr, ASM: tl.constexpr):
-    """int32 words [R, W] of q2_0 codes -> [R, 16·W] levels q - 1 in tile order (`tile_order`).
+def _q2_levels(word, d, BF16: tl.constexpr, ASM: tl.constexpr, FOLD_D: tl.constexpr):
+    """int32 words [R, W] of q2_0 codes -> [R, 16·W] levels q - 1 (times d when FOLD_D) in tile order.
 
     The join tree puts field s = 4a + 2b + c of half h at index (h, a, b, c); the permute moves h
     last, so a pair made by one instruction stays one register of the operand (no PRMT repacking).
     """
-    c0 = tl.join(tl.join(_levels_pair(word, 0, BF16, ASM), _levels_pair(word, 4, BF16, ASM)),
-                 tl.join(_levels_pair(word, 2, BF16, ASM), _levels_pair(word, 6, BF16, ASM)))
-    c1 = tl.join(tl.join(_levels_pair(word, 1, BF16, ASM), _levels_pair(word, 5, BF16, ASM)),
-                 tl.join(_levels_pair(word, 3, BF16, ASM), _levels_pair(word, 7, BF16, ASM)))
+    c0 = tl.join(tl.join(_levels_pair(word, d, 0, BF16, ASM, FOLD_D), _levels_pair(word, d, 4, BF16, ASM, FOLD_D)),
+                 tl.join(_levels_pair(word, d, 2, BF16, ASM, FOLD_D), _levels_pair(word, d, 6, BF16, ASM, FOLD_D)))
+    c1 = tl.join(tl.join(_levels_pair(word, d, 1, BF16, ASM, FOLD_D), _levels_pair(word, d, 5, BF16, ASM, FOLD_D)),
+                 tl.join(_levels_pair(word, d, 3, BF16, ASM, FOLD_D), _levels_pair(word, d, 7, BF16, ASM, FOLD_D)))
     tile = tl.permute(tl.join(c0, c1), (0, 3, 4, 5, 1, 2))  # [R, a, b, c, W, h]
     return tl.reshape(tile, (word.shape[0], word.shape[1] * 16))
 
@@ -85,7 +97,7 @@ def _q2_levels(word, BF16: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn,
                           BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
-                          UNROLL: tl.constexpr):
+                          UNROLL: tl.constexpr, FOLD_D: tl.constexpr):
     """[BLOCK_N, BLOCK_T] float32 W[rows] · aᵀ for one expert's q2_0 rows and the block's activation rows."""
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     word_ptrs = w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + tl.arange(0, 4)[None, :]
@@ -94,10 +106,13 @@ def _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn
         for b in tl.static_range(UNROLL):  # UNROLL q blocks per iteration: one loop overhead for all
             kb = k0 + b * Q2_BLOCK
             words = tl.load(word_ptrs + kb // 16)
-            d = tl.load(d_e + rows * stride_dn + kb // Q2_BLOCK).to(tl.float32)
+            d = tl.load(d_e + rows * stride_dn + kb // Q2_BLOCK)
             # Activations in tile order (`tile_order`); padding pairs are not fetched (zeros).
             x = tl.load(a_ptrs + (kb + offs_k)[None, :], mask=pmask[:, None], other=0.0)
-            acc += tl.dot(_q2_levels(words, BF16, ASM), tl.trans(x)) * d[:, None]
+            if FOLD_D:  # the MMAs chain on one accumulator (no wait for each block's result)
+                acc = tl.dot(_q2_levels(words, d.to(x.dtype), BF16, ASM, FOLD_D), tl.trans(x), acc)
+            else:
+                acc += tl.dot(_q2_levels(words, d, BF16, ASM, FOLD_D), tl.trans(x)) * d.to(tl.float32)[:, None]
     return acc
 
 
@@ -105,7 +120,8 @@ def _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn
 def _expert_mma(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, w_ptr, d_ptr,
                 N, K, num_pairs, stride_am, stride_om, stride_we, stride_wn, stride_de, stride_dn,
                 DUAL: tl.constexpr, ROUTED: tl.constexpr, A_ROW_DIV: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr,
+                FOLD_D: tl.constexpr):
     """out[p, rows] for the pairs p of block program_id(0) (routing.align_pairs) and BLOCK_N rows.
 
     Same epilogues as `_expert_gemm`: DUAL reads gate rows n and up rows N + n and writes
@@ -125,10 +141,11 @@ def _expert_mma(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, w_p
     w_e = w_ptr + e64 * stride_we
     d_e = d_ptr + e64 * stride_de
     BF16: tl.constexpr = a_ptr.dtype.element_ty == tl.bfloat16
-    val = _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn, BLOCK_N, BLOCK_T, BF16, ASM, UNROLL)
+    val = _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn, BLOCK_N, BLOCK_T, BF16, ASM, UNROLL,
+                                FOLD_D)
     if DUAL:
         up = _q2_rows_times_tokens(w_e, d_e, rows + N, a_ptrs, pmask, K, stride_wn, stride_dn, BLOCK_N, BLOCK_T, BF16,
-                                   ASM, UNROLL)
+                                   ASM, UNROLL, FOLD_D)
         val = val * tl.sigmoid(val) * up
     if ROUTED:
         val = val * tl.load(routing_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)[None, :]

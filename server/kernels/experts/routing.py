@@ -49,3 +49,16 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     block_expert = torch.searchsorted(padded_end, starts, right=True)
     block_expert = torch.where(starts < padded_end[-1:], block_expert, -1).to(torch.int32)
     return ExpertBlocks(pair_ids, block_expert, block_m, num_pairs)
+
+
+def single_pair_blocks(topk_ids: torch.Tensor, block_m: int) -> ExpertBlocks:
+    """One pair per block (the rest padding), in pair order: no sort, two small device ops.
+
+    For decode, where pairs rarely share an expert (moe.use_gemv): a pair's block reads its
+    expert's weights on its own, as the one-pair-per-program GEMV body does.
+    """
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    pair_ids = torch.full((num_pairs, block_m), num_pairs, dtype=torch.int32, device=flat.device)
+    pair_ids[:, 0] = torch.arange(num_pairs, dtype=torch.int32, device=flat.device)
+    return ExpertBlocks(pair_ids.reshape(-1), flat.to(torch.int32), block_m, num_pairs)

@@ -19,7 +19,7 @@ from tests.kernels.experts.test_fused_moe import _problem, oracle
 @triton.jit
 def _levels_kernel(words_ptr, out_ptr, R: tl.constexpr):
     words = tl.load(words_ptr + tl.arange(0, R)[:, None] * 4 + tl.arange(0, 4)[None, :])
-    levels = _q2_levels(words, False, False)
+    levels = _q2_levels(words, words, False, False, False)
     tl.store(out_ptr + tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :], levels)
 
 
@@ -47,8 +47,10 @@ def test_tile_order_puts_weight_16t_plus_8h_plus_2c_plus_j_at_column_16c_plus_8j
 CASES = [(5, 256, 192, 3, 2), (3, 128, 64, 1, 2), (2, 64, 128, 20, 2)]
 
 
+@pytest.mark.parametrize("fold_d", [False, True])
 @pytest.mark.parametrize("num_e,d,i,tokens,top_k", CASES)
-def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, tokens, top_k):
+def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, tokens, top_k, fold_d, monkeypatch):
+    monkeypatch.setattr(moe, "mma_fold_d", fold_d)
     x, w, ids, gu, dn = _problem("q2_0", num_e, d, i, tokens=tokens, top_k=top_k, seed=d + i + tokens)
     assert moe.use_mma("q2_0", torch.float16)
     got = moe.fused_moe_triton(x.half(), w.half(), ids, gu, dn, gemv=True)
@@ -58,7 +60,9 @@ def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, toke
     assert err < 3e-3, f"tensor-core body differs from the float64 oracle by {err:.2e}"  # fp16 h between kernels
 
 
-def test_mma_body_reads_every_code_and_scale_it_is_given():
+@pytest.mark.parametrize("fold_d", [False, True])
+def test_mma_body_reads_every_code_and_scale_it_is_given(fold_d, monkeypatch):
+    monkeypatch.setattr(moe, "mma_fold_d", fold_d)
     x, w, ids, gu, dn = _problem("q2_0", 2, 128, 128, tokens=2, top_k=1, seed=4)
     ids[:] = 0
     x = x.half()
