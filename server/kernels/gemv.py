@@ -22,6 +22,9 @@ at once finishes in registers and the projection's output is never written:
 - "silu_and_mul": rows j (gate) and I + j (up) of the fused gate_up weight -> silu(gate) * up, [M, I];
 - "rope": rows i and i + D/2 of every q and k head (the rotate-half pairs) -> rotated to each row's
   position; v rows are paired too (r with r + V/2) and pass unrotated, so one grid covers all of qkv.
+  Given plain KV pages and the step's slot mapping, the same epilogue also stores the new k and v rows
+  into their slots: the cache write is not a launch of its own (dense_attention.write_kv_pages is the
+  same store, slot < 0 skipped, values rounded to the activation dtype and then to the pages').
 The projection is rounded to the activation dtype before the fused op, where the unfused path stores
 it, and the op then computes in float32 as server/kernels/swiglu.py and rotary.py do.
 
@@ -82,6 +85,20 @@ def _rope_pair_rows(j, N, ROTATED: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def _store_kv_rows(k_pages_ptr, v_pages_ptr, rows, y, slot, keep, stride_slot, stride_head, q_rows,
+                   KV_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows of a qkv projection that belong to k or v ([BLOCK_N] rows, y [BLOCK_N, BLOCK_M]) into the pages
+    at each token's slot [BLOCK_M]; q rows and padding tokens (slot < 0) store nothing."""
+    kv_row = rows - q_rows
+    is_v = kv_row >= KV_ROWS
+    r = tl.where(is_v, kv_row - KV_ROWS, kv_row)
+    offs = slot[None, :] * stride_slot + ((r // HEAD_DIM) * stride_head + r % HEAD_DIM)[:, None]
+    ok = keep & (kv_row >= 0)[:, None] & (slot >= 0)[None, :]
+    tl.store(k_pages_ptr + offs, y.to(k_pages_ptr.dtype.element_ty), mask=ok & ~is_v[:, None])
+    tl.store(v_pages_ptr + offs, y.to(v_pages_ptr.dtype.element_ty), mask=ok & is_v[:, None])
+
+
+@triton.jit
 def _load_w(ptrs, cols, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         w = tl.load(ptrs)
@@ -121,7 +138,8 @@ def _reduced(acc, BLOCK_M: tl.constexpr):
 @triton.jit
 def _skinny_matmul_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, inv_freq_ptr, rope_scaling, M, N, K, stride_xm, stride_wn, stride_ym,
-    EPILOGUE: tl.constexpr, ROTATED: tl.constexpr, HALF: tl.constexpr,
+    k_pages_ptr, v_pages_ptr, slot_ptr, stride_slot, stride_head,
+    EPILOGUE: tl.constexpr, ROTATED: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, KV_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -194,8 +212,17 @@ def _skinny_matmul_kernel(
             rotated = (j < ROTATED)[:, None]
             ya = tl.where(rotated, a * cos - b * sin, a)
             yb = tl.where(rotated, b * cos + a * sin, b)
-            tl.store(y_ptr + m[None, :] * stride_ym + rows_a[:, None], ya.to(out_ty), mask=mask)
-            tl.store(y_ptr + m[None, :] * stride_ym + rows_b[:, None], yb.to(out_ty), mask=mask)
+            ya = ya.to(out_ty)
+            yb = yb.to(out_ty)
+            tl.store(y_ptr + m[None, :] * stride_ym + rows_a[:, None], ya, mask=mask)
+            tl.store(y_ptr + m[None, :] * stride_ym + rows_b[:, None], yb, mask=mask)
+            if WRITE_KV:
+                slot = tl.load(slot_ptr + m, mask=m_mask, other=-1).to(tl.int64)
+                q_rows = N - 2 * KV_ROWS
+                _store_kv_rows(k_pages_ptr, v_pages_ptr, rows_a, ya, slot, mask, stride_slot, stride_head,
+                               q_rows, KV_ROWS, 2 * HALF)
+                _store_kv_rows(k_pages_ptr, v_pages_ptr, rows_b, yb, slot, mask, stride_slot, stride_head,
+                               q_rows, KV_ROWS, 2 * HALF)
 
 
 def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, int, int]:
@@ -235,17 +262,20 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_freq=None, scaling=1.0,
-            rotated=0, half=1) -> torch.Tensor:  # fmt: skip
+            rotated=0, half=1, kv_cache=None) -> torch.Tensor:  # fmt: skip
     rows, k = x.shape
     n = weight.shape[0]
     block_m, block_n, block_k, stages = _config(rows, n, k, paired=epilogue != "none")
     y = torch.empty((rows, out_width), dtype=x.dtype, device=x.device)
     unused = weight  # any pointer for arguments the epilogue does not read
+    k_pages, v_pages, slots = kv_cache if kv_cache is not None else (unused, unused, unused)
     _skinny_matmul_kernel[(triton.cdiv(n if epilogue == "none" else n // 2, block_n),)](
         x, weight, unused if bias is None else bias.contiguous(), y,
         unused if positions is None else positions, unused if inv_freq is None else inv_freq, float(scaling),
         rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        EPILOGUE=epilogue, ROTATED=rotated, HALF=half,
+        k_pages, v_pages, slots, k_pages.stride(-3) if kv_cache else 0, k_pages.stride(-2) if kv_cache else 0,
+        EPILOGUE=epilogue, ROTATED=rotated, HALF=half, WRITE_KV=kv_cache is not None,
+        KV_ROWS=k_pages.shape[-2] * k_pages.shape[-1] if kv_cache else 0,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
         STAGES=stages, num_warps=4, **pdl.launch_options(x.device),
@@ -270,9 +300,12 @@ def skinny_matmul_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) ->
 def skinny_matmul_rope(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
     inv_freq: torch.Tensor, scaling: float, rotated_heads: int, head_dim: int,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """qkv = x @ weight.T + bias [M, N] with its first ``rotated_heads`` heads (q, then k) rotated to
-    ``positions`` [M] (rotate-half pairs, angle position * inv_freq in float32, times ``scaling``)."""
+    ``positions`` [M] (rotate-half pairs, angle position * inv_freq in float32, times ``scaling``).
+    ``kv_cache`` = (k_pages, v_pages, slot_mapping [M]): pages [..., page_size, kv_heads, head_dim] whose
+    kv_heads * head_dim are the v rows (and the k rows before them); k and v are also stored at the slots."""
     _check_operands(x, weight, bias, "skinny_matmul_rope")
     n = weight.shape[0]
     if head_dim % 2 or inv_freq.shape != (head_dim // 2,) or (n - rotated_heads * head_dim) % 2 or n < rotated_heads * head_dim:
@@ -282,8 +315,22 @@ def skinny_matmul_rope(
         )
     if positions.shape != (x.shape[0],):
         raise ValueError(f"skinny_matmul_rope: positions {tuple(positions.shape)} must give one per row of x {tuple(x.shape)}")
+    if kv_cache is not None:
+        _check_kv_cache(kv_cache, x.shape[0], n - rotated_heads * head_dim, head_dim)
     return _launch(x, weight, bias, n, "rope", positions, inv_freq.float(), scaling,
-                   rotated_heads * head_dim // 2, head_dim // 2)  # fmt: skip
+                   rotated_heads * head_dim // 2, head_dim // 2, kv_cache)  # fmt: skip
+
+
+def _check_kv_cache(kv_cache, tokens: int, v_rows: int, head_dim: int) -> None:
+    k_pages, v_pages, slots = kv_cache
+    if (k_pages.shape != v_pages.shape or k_pages.stride() != v_pages.stride() or not k_pages.is_contiguous()
+            or k_pages.dim() < 3 or k_pages.shape[-1] != head_dim or k_pages.shape[-2] * head_dim != v_rows
+            or slots.shape != (tokens,)):  # fmt: skip
+        raise ValueError(
+            f"skinny_matmul_rope: KV pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)} must be contiguous "
+            f"[..., page_size, kv_heads, {head_dim}] with kv_heads * {head_dim} = {v_rows} v rows, and the slot "
+            f"mapping {tuple(slots.shape)} one per token ({tokens})"
+        )
 
 
 def _skinny_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> int:
@@ -336,14 +383,18 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.
 def linear_rope(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
     inv_freq: torch.Tensor, scaling: float, num_heads: int, num_kv_heads: int, head_dim: int,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) of a fused qkv projection of x [T, K], q and k rotated
-    to ``positions``; one launch for decode-sized inputs, else F.linear and server/kernels/rotary.py."""
+    to ``positions``; one launch for decode-sized inputs, else F.linear and server/kernels/rotary.py.
+    With ``kv_cache`` = (k_pages, v_pages, slot_mapping) k and v are in their slots on return (the
+    decode launch stores them from its epilogue; otherwise dense_attention.write_kv_pages)."""
     tokens = x.shape[0]
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if _skinny_rows(x, weight):
         qkv = _guarded(lambda: skinny_matmul_rope(
-            x.contiguous(), weight, bias, positions, inv_freq, scaling, num_heads + num_kv_heads, head_dim))  # fmt: skip
+            x.contiguous(), weight, bias, positions, inv_freq, scaling, num_heads + num_kv_heads, head_dim,
+            kv_cache))  # fmt: skip
         if qkv is not None:
             q, k, v = qkv.split(sizes, dim=-1)
             return q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim), v.view(
@@ -353,4 +404,9 @@ def linear_rope(
     q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
     q, k = apply_rotary(positions, q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
                         inv_freq, scaling)  # fmt: skip
-    return q, k, v.view(tokens, num_kv_heads, head_dim)
+    v = v.view(tokens, num_kv_heads, head_dim)
+    if kv_cache is not None:
+        from server.kernels.dense_attention import write_kv_pages
+
+        write_kv_pages(k, v, *kv_cache)
+    return q, k, v

@@ -115,6 +115,11 @@ class DenseKVStore:
         """Bytes of K plus V for one token of one layer."""
         return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def pages_for_fused_write(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_pages, v_pages) that a projection's epilogue may store a step's k and v into with the same
+        meaning as ``write`` (gemv.linear_rope): the decode step then spends no launch on the cache write."""
+        return self.k_pages, self.v_pages
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if use_triton(k):
             from server.kernels.dense_attention import write_kv_pages  # Triton only where it runs

@@ -81,6 +81,48 @@ def test_qkv_with_rope_matches_composition_and_oracle(rows, q_heads, kv_heads, h
     assert_close(fused[:, v_cols], F.linear(x, w, bias)[:, v_cols], atol, rtol, "v rows are not rotated")
 
 
+@pytest.mark.parametrize("rows,page_dtype", [(1, torch.float16), (5, torch.float32), (16, torch.float16)])
+def test_qkv_with_rope_stores_k_and_v_into_their_slots(rows, page_dtype):
+    """The decode cache write fused into the qkv epilogue: every k and v row lands in its token's slot,
+    as write_kv_pages would store the returned k and v; padding tokens (slot -1) and other slots untouched."""
+    g = torch.Generator().manual_seed(rows)
+    q_heads, kv_heads, head_dim, k = 6, 2, 16, 70
+    n = (q_heads + 2 * kv_heads) * head_dim
+    x = torch.randn(rows, k, generator=g).to(torch.float16)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.float16)
+    rotary = RotaryEmbedding(head_dim, 10000.0, None, 4096)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    pages = [torch.full((6, 4, kv_heads, head_dim), 7.0, dtype=page_dtype) for _ in range(2)]
+    slots = torch.randperm(24, generator=g)[:rows]
+    if rows > 1:
+        slots[1] = -1  # a padding row of a CUDA-graph batch
+    args = (x, w, None, positions, rotary.inv_freq, rotary.attention_scaling, q_heads + kv_heads, head_dim)
+    fused = gemv.skinny_matmul_rope(*args, kv_cache=(*pages, slots))
+    assert torch.equal(fused, gemv.skinny_matmul_rope(*args)), "the cache write changed the projection"
+    k_rows, v_rows = fused[:, q_heads * head_dim:].view(rows, 2, kv_heads, head_dim).unbind(1)
+    for cache, new in zip(pages, (k_rows, v_rows)):
+        flat = cache.view(-1, kv_heads, head_dim)
+        written = slots >= 0
+        assert torch.equal(flat[slots[written]], new[written].to(page_dtype))
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched[slots[written]] = False
+        assert bool((flat[untouched] == 7.0).all())
+
+
+def test_linear_rope_stores_the_cache_on_both_paths(monkeypatch):
+    monkeypatch.setattr(gemv, "use_triton", lambda t: True)  # the CPU interpreter stands in for CUDA
+    g = torch.Generator().manual_seed(4)
+    rotary = RotaryEmbedding(8, 10000.0, None, 4096)
+    qkv_w = torch.randn(4 * 8, 40, generator=g).to(torch.float16)  # 2 q heads, 1 kv head of dim 8
+    for rows in (1, 17):  # the fused epilogue, then F.linear + rotary + write_kv_pages
+        x = torch.randn(rows, 40, generator=g).to(torch.float16)
+        pages = [torch.zeros(5, 4, 1, 8, dtype=torch.float16) for _ in range(2)]
+        slots = torch.randperm(20, generator=g)[:rows]
+        q, k, v = gemv.linear_rope(x, qkv_w, None, torch.arange(rows), rotary.inv_freq, 1.0, 2, 1, 8, (*pages, slots))
+        assert torch.equal(pages[0].view(-1, 1, 8)[slots], k), f"{rows} rows: k not in its slots"
+        assert torch.equal(pages[1].view(-1, 1, 8)[slots], v), f"{rows} rows: v not in its slots"
+
+
 def test_fused_launchers_refuse_bad_shapes_with_a_clear_message():
     x = torch.randn(1, 32)
     with pytest.raises(ValueError, match="2 \\* width"):
@@ -91,6 +133,10 @@ def test_fused_launchers_refuse_bad_shapes_with_a_clear_message():
         gemv.skinny_matmul_rope(x, torch.randn(48, 32), None, torch.zeros(2, dtype=torch.int64), torch.rand(4), 1.0, 4, 8)
     with pytest.raises(ValueError, match="1..16 rows"):
         gemv.skinny_matmul_silu_and_mul(torch.randn(17, 32), torch.randn(8, 32))
+    wrong_heads = [torch.zeros(2, 4, 3, 8) for _ in range(2)]  # 3 kv heads of 8 != the 16 v rows
+    with pytest.raises(ValueError, match="v rows"):
+        gemv.skinny_matmul_rope(x, torch.randn(48, 32), None, torch.zeros(1, dtype=torch.int64), torch.rand(4), 1.0,
+                                4, 8, kv_cache=(*wrong_heads, torch.zeros(1, dtype=torch.int64)))
 
 
 def test_fused_linears_take_the_kernel_up_to_16_rows_and_fall_back_to_the_separate_ops_above(monkeypatch):

@@ -97,14 +97,19 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
+        written = False
         if self.q_norm is None and use_triton(x):
-            from server.kernels.gemv import linear_rope  # decode: RoPE in the matmul's epilogue
+            from server.kernels.gemv import linear_rope  # decode: RoPE (and the cache write) in the matmul's epilogue
 
+            # Stores that quantize or record what they are given (turbo, calibration) keep their own write.
+            pages = kv.pages_for_fused_write() if hasattr(kv, "pages_for_fused_write") else None
             with timed("qkv_proj", x.device):
                 q, k, v = linear_rope(
                     x, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary.inv_freq,
                     self.rotary.attention_scaling, self.num_heads, self.num_kv_heads, self.head_dim,
+                    None if pages is None else (*pages, meta.slot_mapping),
                 )  # fmt: skip
+            written = pages is not None
         else:
             with timed("qkv_proj", x.device):
                 qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
@@ -118,7 +123,8 @@ class Attention(nn.Module):
             if self.q_norm is not None:  # Qwen3 normalizes each head before rotating it
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        kv.write(k, v, meta.slot_mapping)
+        if not written:
+            kv.write(k, v, meta.slot_mapping)
         out = kv.attend(q, meta, self.scale)
         with timed("o_proj", x.device):
             return linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
