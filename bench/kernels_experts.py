@@ -10,8 +10,8 @@ Routing puts each case's tokens on experts [g·m, (g+1)·m) for input set g, so 
 different experts (nothing left in L2). "ours" is the full op (routing, rotations, two fused
 kernels, top-k sum); the "kernels only" rows time the two fused launches alone, whose packed
 weight bytes are the bandwidth numerator; at decode sizes (moe.use_gemv) rows for the other decode
-bodies (q2_0: the tensor-core MMA body runs, GEMV and GEMM rows compare; others: GEMV runs, a GEMM
-row compares) time them on the same inputs.
+bodies (GEMV, GEMM, and for q2_0 the tensor-core MMA body; moe.use_mma picks between MMA and GEMV)
+time them on the same inputs.
 
 The full run also prints two sweeps that inform the launch choices: GEMM-body decode tiles
 (moe._tile_shape) and GEMV pipeline depth / rows per program (moe.gemv_stages, moe.GEMV_BLOCK_N);
@@ -24,7 +24,6 @@ q2_0 and q1_0, no tile sweep, no prefill.
 
 from __future__ import annotations
 
-import itertools
 import os
 import traceback
 
@@ -163,7 +162,8 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> lis
             rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm",
                             f"two fused launches, {body.upper()} body"))
             # the other decode bodies on the same inputs, for comparison
-            for other in ("gemv", "gemm") if body == "mma" else ("gemm",) if body == "gemv" else ():
+            decode_bodies = ("mma", "gemv", "gemm") if fmt == "q2_0" else ("gemv", "gemm")
+            for other in [b for b in decode_bodies if b != body] if body != "gemm" else ():
                 kernels = [_prepared_kernels(s, gu, dn, other) for s in sets[:n_sets]]
                 o_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                 rows.append(Row(case + f" kernels only, {other.upper()} body", o_ms, base, nbytes, "bf16 bmm",
@@ -175,7 +175,7 @@ def _decode_body(fmt: str, num_pairs: int, num_experts: int) -> str:
     """Which body moe.fused_moe_triton runs for bf16 activations: "mma", "gemv" or "gemm"."""
     if not moe.use_gemv(fmt, num_pairs, num_experts):
         return "gemm"
-    return "mma" if moe.use_mma(fmt, torch.bfloat16) else "gemv"
+    return "mma" if moe.use_mma(fmt, torch.bfloat16, num_pairs) else "gemv"
 
 
 def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
@@ -277,10 +277,8 @@ def sweep_gemv(device, formats=("e8p", "e8p3", "q2_0"), token_counts=(1, 8),
         moe.gemv_stages, moe.GEMV_BLOCK_N = saved
 
 
-# (rows per program, q blocks per K step, warps, pipeline depth, d folded into the operand)
-MMA_SWEEP = ((128, 4, 4, 3, True), (128, 2, 4, 3, True), (128, 1, 4, 3, True), (64, 4, 4, 3, True),
-             (64, 2, 4, 3, True), (128, 4, 4, 4, True), (128, 2, 4, 4, True), (64, 4, 4, 4, True),
-             (128, 2, 4, 3, False), (64, 4, 4, 3, False))
+# (rows per program, q blocks per K step, warps, pipeline depth)
+MMA_SWEEP = ((128, 2, 4, 3), (128, 4, 4, 3), (128, 1, 4, 3), (64, 4, 4, 3), (64, 2, 4, 3), (128, 2, 4, 4))
 
 
 def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -> tuple:
@@ -297,7 +295,7 @@ def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -
         nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
         for body, config in [("gemv", None)] + [("mma", c) for c in configs]:
             if config is not None:
-                moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages, moe.mma_fold_d = config
+                moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages = config
             try:
                 kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
                 ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
@@ -309,38 +307,38 @@ def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -
             if config is not None:
                 totals[config] += ms
             gbs = nbytes / ms / 1e6
-            print(f"sweep mma deep q2_0 T={tokens} {body} (block_n, unroll, warps, stages, fold_d)={config}: "
+            print(f"sweep mma deep q2_0 T={tokens} {body} (block_n, unroll, warps, stages)={config}: "
                   f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy", flush=True)
     best = min(totals, key=totals.get)
-    moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages, moe.mma_fold_d = best
+    moe.mma_block_n, moe.mma_unroll, moe.mma_warps, moe.mma_stages = best
     print(f"sweep mma: fastest over T={token_counts}: {best}; the rows below use it", flush=True)
     return best
 
 
 def check_mma(device) -> list[str]:
-    """The q2_0 tensor-core body (inline assembly, fp16 and bf16, d folded into the operand or not) against
-    the float32 reference at the deep widths, 1 to 8 tokens; raises on mismatch."""
+    """The q2_0 tensor-core body (inline assembly, fp16 and bf16) against the float32 reference at the deep
+    widths, 1 to 8 tokens (forced below moe.MMA_MIN_PAIRS); raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(6)
     lines = []
     gu = random_weights("q2_0", 64, 2 * 2048, 6144, device, gen)
     dn = random_weights("q2_0", 64, 6144, 2048, device, gen)
-    saved = moe.mma_fold_d
-    for fold_d, (dtype, bound) in itertools.product((False, True), ((torch.bfloat16, 1e-2), (torch.float16, 2e-3))):
-        moe.mma_fold_d = fold_d
-        for tokens in (1, 3, 8):
-            x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
-            ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
-            ids[0, 1] = ids[0, 0]  # one token routed twice to one expert
-            w = torch.rand((tokens, 8), generator=gen, device=device)
-            ref = fused_moe_reference(x.float(), w, ids, gu, dn)
-            out = torch.full((tokens, 6144), float("nan"), device=device)
-            out.copy_(moe.fused_moe_triton(x, w.to(dtype), ids, gu, dn, gemv=True).float())
-            err = ((out - ref).norm() / ref.norm()).item()
-            lines.append(f"q2_0 MMA body {dtype} fold_d={fold_d} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
-            if not err < bound:
-                moe.mma_fold_d = saved
-                raise AssertionError(f"tensor-core q2_0 body disagrees with the reference: {lines[-1]}")
-    moe.mma_fold_d = saved
+    saved, moe.MMA_MIN_PAIRS = moe.MMA_MIN_PAIRS, 1
+    try:
+        for dtype, bound in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+            for tokens in (1, 3, 8):
+                x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
+                ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
+                ids[0, 1] = ids[0, 0]  # one token routed twice to one expert
+                w = torch.rand((tokens, 8), generator=gen, device=device)
+                ref = fused_moe_reference(x.float(), w, ids, gu, dn)
+                out = torch.full((tokens, 6144), float("nan"), device=device)
+                out.copy_(moe.fused_moe_triton(x, w.to(dtype), ids, gu, dn, gemv=True).float())
+                err = ((out - ref).norm() / ref.norm()).item()
+                lines.append(f"q2_0 MMA body {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
+                if not err < bound:
+                    raise AssertionError(f"tensor-core q2_0 body disagrees with the reference: {lines[-1]}")
+    finally:
+        moe.MMA_MIN_PAIRS = saved
     return lines
 
 

@@ -1,7 +1,7 @@
 """Static sm_90 SASS of the quantized-expert decode kernels, no GPU needed: `python bench/sass_experts.py`.
 
-Compiles the GEMV body (moe_gemv.py, the decode dispatch) and the GEMM body's decode launch shape
-(moe_triton.py, BLOCK_M 16) with Triton's bundled ptxas (bench/sass.py) and counts the instructions
+Compiles the GEMV body (moe_gemv.py), the q2_0 tensor-core body (moe_mma.py) and the GEMM body's decode
+launch shape (moe_triton.py, BLOCK_M 16) with Triton's bundled ptxas (bench/sass.py) and counts the instructions
 of the K loop (the longest backward branch) per weight a thread handles in one iteration. At the
 H200's copy bandwidth, 80% of it at 2 bits/weight leaves about 2.5 issued instructions per weight.
 Pointers, N, K and the weight/activation strides are marked divisible by 16, as a launch at these
@@ -12,6 +12,7 @@ This counts work, not time; speed comes only from `python bench/kernels.py exper
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from bench.sass import TOOLS, compile_sm90, sass_counts  # noqa: E402  (also tur
 from server.kernels.experts import moe  # noqa: E402
 from server.kernels.experts.moe import DECODE_BLOCK_M, _gemv_block_k  # noqa: E402
 from server.kernels.experts.moe_gemv import _expert_gemv  # noqa: E402
+from server.kernels.experts.moe_mma import _expert_mma  # noqa: E402
 from server.kernels.experts.moe_triton import FORMAT_IDS, _expert_gemm  # noqa: E402
 
 CODES = {"e8p": "*i16", "e8p3": "*i16", "q1_0": "*u8", "q2_0": "*u8"}
@@ -36,26 +38,33 @@ DIVISIBLE = frozenset({"N", "K", "stride_am", "stride_om", "stride_we", "stride_
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
 
 
-def loop_length(kernel) -> int:
-    """Instructions of the longest loop: from a backward branch's target to the branch itself."""
+def loop_opcodes(kernel) -> collections.Counter:
+    """Opcodes of the longest loop: from a backward branch's target to the branch itself."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([TOOLS / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True,
                               check=True).stdout
-    addresses = []
-    longest = 0
+    ops = []
+    longest = (0, 0, -1)
     for line in sass.splitlines():
         m = INSTRUCTION.match(line)
         if not m:
             continue
         address, opcode, rest = int(m.group(1), 16), m.group(2), m.group(3)
-        addresses.append(address)
+        ops.append((address, opcode))
         target = re.search(r"0x([0-9a-f]+)", rest)
         if opcode.startswith("BRA") and target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
-            longest = max(longest, sum(1 for a in addresses if start <= a <= address))
-    return longest
+            size = sum(1 for a, _ in ops if start <= a <= address)
+            longest = max(longest, (size, start, address))
+    _, start, end = longest
+    return collections.Counter(op for a, op in ops if start <= a <= end)
+
+
+def loop_length(kernel) -> int:
+    """Instructions of the longest loop, NOPs included (the issue slots a pass takes)."""
+    return sum(loop_opcodes(kernel).values())
 
 
 def _signature(fmt: str, dual: bool, body: str) -> dict:
@@ -93,6 +102,26 @@ def count(fmt: str, dual: bool, body: str) -> tuple[float, int, int, int]:
     return loop_length(kernel) / (rows * block_k / 128), res["REG"], res["LOCAL"], kernel.asm["ptx"].count("cp.async.c")
 
 
+def count_mma(dual: bool, bf16: bool) -> tuple[float, int, int, int, int]:
+    """(loop instructions per weight per thread, registers, spilled bytes, shared-memory stores in the loop (none
+    of them the dequantized tile's: it feeds the MMA from registers), warpgroup MMAs in the loop) of the q2_0 tensor-core body (moe_mma.py) at moe.mma_* and the D=6144 shape."""
+    sig = {"a_ptr": "*bf16" if bf16 else "*fp16", "out_ptr": "*bf16" if dual else "*fp32", "pair_ids_ptr": "*i32",
+           "block_expert_ptr": "*i32", "routing_ptr": "*fp32", "w_ptr": "*u8", "d_ptr": "*fp16", "N": "i32",
+           "K": "i32", "num_pairs": "i32", "stride_am": "i32", "stride_om": "i32", "stride_we": "i32",
+           "stride_wn": "i32", "stride_de": "i32", "stride_dn": "i32"}
+    constexprs = {"DUAL": dual, "ROUTED": not dual, "A_ROW_DIV": 8 if dual else 1, "BLOCK_N": moe.mma_block_n,
+                  "BLOCK_T": moe.MMA_BLOCK_T, "ASM": True, "UNROLL": moe.mma_unroll}
+    divisible = frozenset({"N", "K", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_de", "stride_dn"})
+    kernel = compile_sm90(_expert_mma, sig | dict.fromkeys(constexprs, "constexpr"), constexprs, moe.mma_warps,
+                          divisible)
+    _, res = sass_counts(kernel)
+    loop = loop_opcodes(kernel)
+    weights = moe.mma_block_n * 64 * moe.mma_unroll / (32 * moe.mma_warps)
+    stores = sum(n for op, n in loop.items() if op.startswith("STS"))  # the weight tile's would be STS.128
+    return (sum(loop.values()) / weights, res["REG"], res["LOCAL"], stores,
+            sum(n for op, n in loop.items() if "GMMA" in op))
+
+
 def main() -> None:
     print("| format | projection | GEMV body instr/weight | regs | cp.async | GEMM body (decode) instr/weight | regs |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -103,6 +132,15 @@ def main() -> None:
             spills = " (spills)" if gemv_spill or gemm_spill else ""
             print(f"| {fmt} | {'gate_up' if dual else 'down'} | {gemv:.2f} | {gemv_regs} | {gemv_async} | {gemm:.2f} | "
                   f"{gemm_regs} |{spills}", flush=True)
+    print(f"\nq2_0 tensor-core body (moe_mma.py), {moe.mma_block_n} rows x {moe.mma_unroll} q blocks per K step, "
+          f"{moe.mma_warps} warps:")
+    print("| activations | projection | instr/weight | regs | shared-memory stores in the loop | warpgroup MMAs |")
+    print("|---|---|---:|---:|---:|---:|")
+    for bf16 in (True, False):
+        for dual in (True, False):
+            per_weight, regs, spill, stores, mmas = count_mma(dual, bf16)
+            print(f"| {'bf16' if bf16 else 'fp16'} | {'gate_up' if dual else 'down'} | {per_weight:.2f} | {regs} | "
+                  f"{stores} | {mmas} |{' (spills)' if spill else ''}", flush=True)
 
 
 if __name__ == "__main__":

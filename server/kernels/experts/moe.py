@@ -74,7 +74,8 @@ _GEMV_FORMATS = ("e8p", "e8p3", "q1_0", "q2_0")
 
 def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights,
                      block_m: int | None = None, gemv: bool | None = None) -> torch.Tensor:
-    """``block_m`` forces the GEMM body with that block; ``gemv`` forces (True) or refuses (False) the GEMV body."""
+    """``block_m`` forces the GEMM body with that block; ``gemv`` forces (True) or refuses (False) the GEMV
+    regime (the GEMV body, or the tensor-core body where use_mma says so)."""
     num_tokens, top_k = topk_ids.shape
     num_e, two_i, d = gate_up.shape
     num_pairs = num_tokens * top_k
@@ -89,7 +90,7 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     routing = topk_weights.reshape(-1).float().contiguous()
-    if gemv and use_mma(gate_up.format, x.dtype):
+    if gemv and use_mma(gate_up.format, x.dtype, num_pairs):
         blocks = single_pair_blocks(topk_ids, MMA_BLOCK_T)
         launch_expert_mma(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
         launch_expert_mma(down.rotate_input(h), y_pairs, blocks, down, routing=routing)
@@ -162,9 +163,10 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
         )
 
 
-def use_mma(fmt: str, dtype: torch.dtype) -> bool:
-    """q2_0 decode with fp16/bf16 activations (the MMA's operand types) takes the tensor-core body."""
-    return fmt == "q2_0" and dtype in (torch.float16, torch.bfloat16)
+def use_mma(fmt: str, dtype: torch.dtype, num_pairs: int) -> bool:
+    """In the GEMV regime (use_gemv), q2_0 with fp16/bf16 activations (the MMA's operand types) and at
+    least MMA_MIN_PAIRS pairs takes the tensor-core body (moe_mma.py)."""
+    return fmt == "q2_0" and dtype in (torch.float16, torch.bfloat16) and num_pairs >= MMA_MIN_PAIRS
 
 
 def launch_expert_mma(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, w: ExpertWeights,
@@ -182,14 +184,20 @@ def launch_expert_mma(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, 
             n, k, blocks.num_pairs, tiles.stride(0), out.stride(0), codes.stride(0), codes.stride(1),
             d.stride(0), d.stride(1), DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
             BLOCK_N=mma_block_n, BLOCK_T=blocks.block_m, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-            UNROLL=blocks_per_step, FOLD_D=mma_fold_d, num_warps=mma_warps, num_stages=mma_stages,
+            UNROLL=blocks_per_step, num_warps=mma_warps, num_stages=mma_stages,
         )
 
 
-MMA_BLOCK_T = 16  # pairs per block: the MMA's N (Hopper's warpgroup MMA takes N = 16 here, not 8)
-# Tile of the tensor-core body; module-level so benchmark sweeps can set them.
-mma_block_n, mma_unroll, mma_warps, mma_stages = 128, 4, 4, 3
-mma_fold_d = False
+MMA_BLOCK_T = 16  # pairs per block: the MMA's N (Triton takes the warpgroup MMA at N = 16, mma.sync at 8)
+# Tile of the tensor-core body, the fastest of the H200 sweep (bench/kernels_experts.sweep_mma,
+# docs/BENCHMARKS.md 01:22 block): 128 rows, 2 q blocks per K step, 4 warps, 3 stages. Module-level
+# so benchmark sweeps can set them.
+mma_block_n, mma_unroll, mma_warps, mma_stages = 128, 2, 4, 3
+# Fewest pairs in a step for the tensor-core body. H200, D=6144 I=2048 top-8, kernels only: at 64 pairs
+# (8 tokens) it beats the GEMV body, 400 vs 451 us; at 8 pairs (1 token) it loses, 99 vs 81 us (and Mixtral's
+# 2 pairs 157 vs 108 us): few experts give too few programs for its long K loops to hide memory latency.
+# Between 8 and 64 pairs nothing was measured, so the GEMV body keeps them.
+MMA_MIN_PAIRS = 64
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
 # Software-pipeline depth of the GEMV K loop (tl.range num_stages; > 1 puts the weight loads in a cp.async

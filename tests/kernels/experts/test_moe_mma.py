@@ -13,13 +13,14 @@ import triton.language as tl
 
 from server.kernels.experts import moe, qblocks
 from server.kernels.experts.moe_mma import _q2_levels, tile_order
+from server.kernels.experts.routing import single_pair_blocks
 from tests.kernels.experts.test_fused_moe import _problem, oracle
 
 
 @triton.jit
 def _levels_kernel(words_ptr, out_ptr, R: tl.constexpr):
     words = tl.load(words_ptr + tl.arange(0, R)[:, None] * 4 + tl.arange(0, 4)[None, :])
-    levels = _q2_levels(words, words, False, False, False)
+    levels = _q2_levels(words, False, False)
     tl.store(out_ptr + tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :], levels)
 
 
@@ -47,12 +48,10 @@ def test_tile_order_puts_weight_16t_plus_8h_plus_2c_plus_j_at_column_16c_plus_8j
 CASES = [(5, 256, 192, 3, 2), (3, 128, 64, 1, 2), (2, 64, 128, 20, 2)]
 
 
-@pytest.mark.parametrize("fold_d", [False, True])
 @pytest.mark.parametrize("num_e,d,i,tokens,top_k", CASES)
-def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, tokens, top_k, fold_d, monkeypatch):
-    monkeypatch.setattr(moe, "mma_fold_d", fold_d)
+def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, tokens, top_k, monkeypatch):
+    monkeypatch.setattr(moe, "MMA_MIN_PAIRS", 1)  # CI-sized problems have few pairs
     x, w, ids, gu, dn = _problem("q2_0", num_e, d, i, tokens=tokens, top_k=top_k, seed=d + i + tokens)
-    assert moe.use_mma("q2_0", torch.float16)
     got = moe.fused_moe_triton(x.half(), w.half(), ids, gu, dn, gemv=True)
     want = oracle(x.half().float(), w.half().float(), ids, gu, dn)
     assert got.dtype == torch.float16
@@ -60,9 +59,8 @@ def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, toke
     assert err < 3e-3, f"tensor-core body differs from the float64 oracle by {err:.2e}"  # fp16 h between kernels
 
 
-@pytest.mark.parametrize("fold_d", [False, True])
-def test_mma_body_reads_every_code_and_scale_it_is_given(fold_d, monkeypatch):
-    monkeypatch.setattr(moe, "mma_fold_d", fold_d)
+def test_mma_body_reads_every_code_and_scale_it_is_given(monkeypatch):
+    monkeypatch.setattr(moe, "MMA_MIN_PAIRS", 1)
     x, w, ids, gu, dn = _problem("q2_0", 2, 128, 128, tokens=2, top_k=1, seed=4)
     ids[:] = 0
     x = x.half()
@@ -77,13 +75,24 @@ def test_mma_body_reads_every_code_and_scale_it_is_given(fold_d, monkeypatch):
             proj.tensors[key].copy_(saved)
 
 
-def test_dispatch_takes_the_mma_body_for_half_precision_q2_0_decode_only(monkeypatch):
-    assert moe.use_mma("q2_0", torch.bfloat16) and moe.use_mma("q2_0", torch.float16)
-    assert not moe.use_mma("q2_0", torch.float32) and not moe.use_mma("e8p", torch.float16)
+def test_dispatch_takes_the_mma_body_for_half_precision_q2_0_decode_with_enough_pairs(monkeypatch):
+    many = moe.MMA_MIN_PAIRS
+    assert moe.use_mma("q2_0", torch.bfloat16, many) and moe.use_mma("q2_0", torch.float16, many)
+    assert not moe.use_mma("q2_0", torch.bfloat16, many - 1)
+    assert not moe.use_mma("q2_0", torch.float32, many) and not moe.use_mma("e8p", torch.float16, many)
     calls = []
     for name in ("launch_expert_mma", "launch_expert_gemv", "launch_expert_gemm"):
         monkeypatch.setattr(moe, name, lambda *a, _n=name, **k: calls.append(_n.split("_")[-1]))
     x, w, ids, gu, dn = _problem("q2_0", 5, 64, 64, tokens=2, top_k=2, seed=3)
+    moe.fused_moe_triton(x.half(), w, ids, gu, dn)  # 4 pairs: below MMA_MIN_PAIRS
+    monkeypatch.setattr(moe, "MMA_MIN_PAIRS", 4)
     moe.fused_moe_triton(x.half(), w, ids, gu, dn)
-    moe.fused_moe_triton(x, w, ids, gu, dn)
-    assert calls == ["mma", "mma", "gemv", "gemv"]
+    moe.fused_moe_triton(x, w, ids, gu, dn)  # float32 activations
+    assert calls == ["gemv", "gemv", "mma", "mma", "gemv", "gemv"]
+
+
+def test_single_pair_blocks_hold_each_pair_once_in_order():
+    ids = torch.tensor([[3, 1], [1, 0]])
+    blocks = single_pair_blocks(ids, 4)
+    assert blocks.block_expert.tolist() == [3, 1, 1, 0] and blocks.num_pairs == 4
+    assert blocks.pair_ids.view(4, 4).tolist() == [[p, 4, 4, 4] for p in range(4)]
