@@ -2,7 +2,8 @@
 
 CI has no GPU, so this is where the Triton kernels meet bf16 and real sizes:
 1. correctness: paged decode/prefill, KV write, fused RMSNorm/rotary/SwiGLU in bf16 vs the torch
-   references; CUDA-graph replay vs eager forward (padding rows included);
+   references; CUDA-graph replay vs eager forward (padding rows included), and at batch 1 vs the torch
+   reference forward;
 2. kernel timings next to the obvious baselines: decode vs SDPA over contiguous K/V, prefill vs
    causal SDPA, and a bf16 GEMV (the floor under batch-1 decode of any engine using cuBLAS);
 3. the skinny decode matmul (server/kernels/gemv.py) at the Llama-3-8B projection shapes, M=1 and M=8:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 import traceback
@@ -170,6 +172,18 @@ def check_graph_replay(device) -> None:
           f"(expected {2 * len(lens)}: padding rows write nothing)")  # fmt: skip
     if changed != 2 * len(lens):
         failures.append("graph replay writes")
+    # Batch 1 (one-row skinny matmuls, the fused KV write): the torch reference forward
+    # (TURBOSERVE_REFERENCE_KERNELS=1) on the same GPU is the yardstick.
+    one = AttentionMetadata(slots[1:2], tables[1:2], torch.tensor(lens[1:2], dtype=torch.int32, device=device),
+                            torch.arange(2, dtype=torch.int32, device=device), lens[1:2], [1])  # fmt: skip
+    with torch.inference_mode():
+        replayed = graphs.run(ids[1:2], positions[1:2], one).clone()
+        os.environ["TURBOSERVE_REFERENCE_KERNELS"] = "1"
+        try:
+            reference = loaded.model.forward(ids[1:2], positions[1:2], stores, one)
+        finally:
+            os.environ.pop("TURBOSERVE_REFERENCE_KERNELS")
+    check("batch-1 CUDA graph replay vs torch reference forward", replayed, reference, 5e-2)
     del graphs, stores, loaded
     torch.cuda.empty_cache()
 
@@ -294,8 +308,6 @@ def _runner_loop_ms(model, graphs, ids, positions, meta, steps: int = 30) -> flo
 
 def decode_step_timings(device, copy_gbs: float) -> None:
     """A Llama-3-8B-shaped batch-1 decode forward (no LM head) replayed as a CUDA graph, PDL on and off."""
-    import os
-
     from bench.e2e import SHAPES, build_random_model, weight_bytes_per_decode_step
     from server.kernels.paged_kv import DenseKVStore
     from server.runtime.cuda_graphs import DecodeGraphs
