@@ -7,9 +7,10 @@
    turbo3 and turbo4 (both kernels: split-K decode + merge with the inverse rotation) against
    F.scaled_dot_product_attention on contiguous bf16 K/V (the 4 query heads of a KV head as 4
    query rows, so SDPA reads each KV head once, as ours does). Bandwidth counts the compressed
-   K/V bytes. A small sweep of the decode kernel's tile/warp/register settings at batch 8, 64K comes
-   first; the table rows run the kernel's defaults.
-3. Rotation and store kernels against the device copy bandwidth.
+   K/V bytes. A small sweep of the decode kernel's tile/warp/register/column-order settings at batch 8
+   and batch 1, 64K comes first; the table rows run the kernel's defaults.
+3. Rotation and store kernels against the device copy bandwidth (the store through slots as an engine
+   step writes them: shuffled pages, tokens contiguous inside each; bench/turbo_store_sweep.py has more).
 
 Turbo pages are filled with random codes and norms for timing (every byte is a valid code);
 the correctness part writes real K/V through the store kernel.
@@ -26,14 +27,18 @@ from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo import attention
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
-from server.kernels.turbo.quantize import store_turbo_triton
+from server.kernels.turbo.quantize import ROWS_PER_PROGRAM, store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# (block_n, num_warps, max registers, pipeline stages); None: the compiler's choice
-DEFAULT = (attention.BLOCK_N, attention.NUM_WARPS, attention.MAX_REGISTERS, attention.NUM_STAGES)  # the table rows
-SWEEP = (DEFAULT, (64, 4, 128, None), (64, 4, None, 5), (128, 8, None, None), (32, 4, None, None))
+# (block_n, num_warps, max registers, pipeline stages, column order of the decoded tiles); None: the
+# compiler's choice; {}: the decode's natural column order (2-way bank-conflicted tile stores)
+DEFAULT = (attention.BLOCK_N, attention.NUM_WARPS, attention.MAX_REGISTERS, attention.NUM_STAGES,
+           attention.COLUMN_ORDER)  # the table rows
+SWEEP = (DEFAULT, (64, 4, 128, None, {}), (64, 4, None, None, attention.COLUMN_ORDER),
+         (128, 8, None, None, attention.COLUMN_ORDER))
+SWEEP_SHAPES = ((8, 65536), (1, 65536))  # (batch, context)
 BATCHES, CONTEXTS = (1, 8, 32), (4096, 16384, 65536)
 CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
     (128, 4, "turbo3", "turbo3", [4099, 1000, 17, 1]), (128, 4, "turbo4", "turbo3", [16384, 33]),
@@ -129,18 +134,19 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
     scale = HEAD_DIM**-0.5
 
     def ours(i, config):
-        block_n, num_warps, max_registers, num_stages = config
+        block_n, num_warps, max_registers, num_stages, column_order = config
         return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
                                        block_n=block_n, num_warps=num_warps, max_registers=max_registers,
-                                       num_stages=num_stages)
+                                       num_stages=num_stages, column_order=column_order)
 
     rows = []
     for config in configs:
         ms = time_ms(lambda i: ours(i, config), n_inputs=n_inputs, device=device)
-        block_n, num_warps, max_registers, num_stages = config
+        block_n, num_warps, max_registers, num_stages, column_order = config
         note = f"BLOCK_N={block_n}, {num_warps} warps"
         note += "" if max_registers is None else f", <= {max_registers} registers"
         note += "" if num_stages is None else f", {num_stages} stages"
+        note += "" if column_order else ", natural column order"
         rows.append(Row(f"decode {kind} b{batch} ctx{ctx // 1024}K", ms, bytes_moved=turbo_bytes, note=note))
     return rows
 
@@ -159,6 +165,13 @@ def _sdpa_ms(batch: int, ctx: int, device) -> float:
     return ms
 
 
+def engine_slots(tokens: int, num_pages: int, page: int, device, gen: torch.Generator) -> torch.Tensor:
+    """Slots as an engine step writes them: consecutive tokens fill shuffled pages, contiguous inside a page."""
+    pages = torch.randperm(num_pages, generator=gen)[: -(-tokens // page)]
+    position = torch.arange(tokens)
+    return (pages[position // page] * page + position % page).to(device)
+
+
 def _rotation_and_store_rows(device) -> list[Row]:
     rows = []
     x = torch.randn(ROTATION_ROWS, 128, device=device, dtype=torch.bfloat16)
@@ -172,7 +185,7 @@ def _rotation_and_store_rows(device) -> list[Row]:
     tokens = STORE_TOKENS
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    slots = torch.randperm(tokens * 2, device=device)[:tokens]
+    slots = engine_slots(tokens, tokens * 2 // PAGE, PAGE, device, torch.Generator().manual_seed(0))
     dense_k = torch.empty(tokens * 2, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     dense_v = torch.empty_like(dense_k)
 
@@ -184,21 +197,22 @@ def _rotation_and_store_rows(device) -> list[Row]:
     for kind in ("turbo3", "turbo4"):
         store = TurboKVStore(tokens * 2 // PAGE, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
         moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind) + slots.numel() * 8
-        for per_program in (16, 4, 8):  # the first is the default
+        for per_program in (ROWS_PER_PROGRAM, 2 * ROWS_PER_PROGRAM):  # the first is the default
             ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
                                                       store.k_offset, rows_per_program=per_program), device=device)
             rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
-                            "bf16 index_copy_ of K and V", f"{per_program} token-head rows per program"))
+                            "bf16 index_copy_ of K and V", f"{per_program} token-head rows per tile"))
     return rows
 
 
 def run(device: torch.device, copy_gbs: float) -> tuple[str, list[Row]]:
     failures = check_correctness(device)
-    sweep_rows = _decode_case(BATCHES[1], CONTEXTS[-1], "turbo3", device, SWEEP)
+    sweep_rows = []
+    for batch, ctx in SWEEP_SHAPES:
+        sweep_rows += _decode_case(batch, ctx, "turbo3", device, SWEEP)
     for row in sweep_rows:
         row.note += " (sweep)"
-    print(f"decode sweep: {[round(r.ours_ms, 4) for r in sweep_rows]} ms for {SWEEP}; the table runs {DEFAULT}",
-          flush=True)
+        print(f"sweep {row.case}, {row.note}: {row.ours_ms:.4f} ms", flush=True)
     rows = list(sweep_rows)
     for batch in BATCHES:
         for ctx in CONTEXTS:

@@ -1,0 +1,139 @@
+"""The turbo store kernel on the GPU: correctness at real sizes, then its settings against copy bandwidth.
+
+`python bench/turbo_store_sweep.py [--before FILE]`
+
+1. Correctness (PASS/FAIL lines): bf16 and fp16 K/V through the store (with a key offset) against
+   format.quantize_reference on the same device: index mismatches (a value within an ulp of a
+   midpoint may differ, nothing else), norms of the groups whose indices all agree, zero rows,
+   padding slots (-1) and slots nobody wrote.
+2. Timing, 32768 tokens x 8 KV heads x d128, K+V: the store's tile size and programs per SM, for
+   slots as an engine step writes them (pages shuffled, tokens contiguous inside a page) and for
+   tokens scattered one by one; baseline: bf16 index_copy_ of K and V through the same slots.
+   ``--before FILE``: a copy of an earlier quantize.py (`git show REV:server/kernels/turbo/quantize.py
+   > FILE`) timed on the same inputs, so one run shows before and after.
+   Bytes: bf16 K and V read + the turbo pages written (indices and norms) + the slot mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.harness import Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms  # noqa: E402
+from bench.kernels_turbo import engine_slots  # noqa: E402
+from server.kernels.turbo import quantize  # noqa: E402
+from server.kernels.turbo.format import quantize_reference, unpack_indices  # noqa: E402
+from server.kernels.turbo.store import TurboKVStore  # noqa: E402
+
+PAGE, HEADS, TOKENS, CHECK_TOKENS = 16, 8, 32768, 3000
+CHECKS = [(128, "turbo3", "turbo3"), (128, "turbo4", "turbo4"), (64, "turbo2", "turbo4"), (256, "turbo4", "turbo3")]
+SETTINGS = [(16, 4), (16, 2), (16, 8), (32, 2), (32, 4), (16, 1 << 20), (32, 1 << 20)]  # (rows, programs per SM)
+
+
+def check(device) -> list[str]:
+    failures = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim, k_kind, v_kind in CHECKS:
+            tokens = CHECK_TOKENS
+            store = TurboKVStore(2 * tokens // PAGE, PAGE, HEADS, head_dim, k_kind, v_kind, device, dtype)
+            offset = torch.randn(HEADS, head_dim, generator=gen) * 2
+            store.set_k_offset(offset.to(device))
+            k = (torch.randn(tokens, HEADS, head_dim, generator=gen) * 3 + offset).to(device, dtype)
+            v = torch.randn(tokens, HEADS, head_dim, generator=gen).to(device, dtype)
+            k[7] = offset.to(dtype)  # k - m may be exactly zero only where the offset is exact in dtype
+            v[11] = 0.0
+            slots = engine_slots(tokens, store.k.codes.shape[0], PAGE, device, gen)
+            slots[5] = -1  # padding
+            store.write(k, v, slots)
+            keep = slots >= 0
+            for label, pages, kind, x in (("K", store.k, k_kind, k.float() - store.k_offset), ("V", store.v, v_kind, v)):
+                codes, norms = quantize_reference(x[keep], kind)
+                s = slots[keep]
+                got = unpack_indices(pages.codes[s // PAGE, :, s % PAGE], pages.bits, head_dim)
+                want = unpack_indices(codes, pages.bits, head_dim)
+                mism = (got != want).float().mean().item()
+                same = (got == want).reshape(*got.shape[:-1], norms.shape[-1], -1).all(-1)
+                got_norms = pages.norms[s // PAGE, :, s % PAGE].float()
+                rel = ((got_norms - norms.float()).abs() / norms.float().clamp_min(1e-6))[same].max().item()
+                written = torch.zeros(pages.codes.shape[0] * PAGE, dtype=torch.bool, device=device)
+                written[s] = True
+                untouched = pages.codes.transpose(1, 2).reshape(-1, pages.codes.shape[1] * pages.codes.shape[3])
+                stray = untouched[~written].ne(0).any().item()
+                ok = mism < 1e-4 and rel < 1e-3 and not stray
+                name = f"store {label} {kind} D={head_dim} {str(dtype).split('.')[1]}"
+                print(f"{'PASS' if ok else 'FAIL'} {name}: index mismatch {mism:.1e}, norm rel err {rel:.1e}, "
+                      f"writes outside its slots: {stray}", flush=True)
+                if not ok:
+                    failures.append(name)
+    return failures
+
+
+def _load_before(path: str):
+    spec = importlib.util.spec_from_file_location("store_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module.store_turbo_triton
+
+
+def timings(device, copy_gbs: float, before) -> list[Row]:
+    k = torch.randn(TOKENS, HEADS, 128, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    num_pages = 2 * TOKENS // PAGE
+    gen = torch.Generator().manual_seed(1)
+    patterns = {"engine slots": engine_slots(TOKENS, num_pages, PAGE, device, gen),
+                "scattered slots": torch.randperm(num_pages * PAGE, generator=gen)[:TOKENS].to(device)}
+    dense_k = torch.empty(num_pages * PAGE, HEADS, 128, device=device, dtype=torch.bfloat16)
+    dense_v = torch.empty_like(dense_k)
+    rows = []
+    for pattern, slots in patterns.items():
+        def dense_write(_):
+            dense_k.index_copy_(0, slots, k)
+            dense_v.index_copy_(0, slots, v)
+
+        dense_ms = time_ms(dense_write, device=device)
+        for kind in ("turbo3", "turbo4"):
+            store = TurboKVStore(num_pages, PAGE, HEADS, 128, kind, kind, device, torch.bfloat16)
+            moved = 2 * k.numel() * 2 + TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, kind, kind) + slots.numel() * 8
+            case = f"store {kind}, {TOKENS} tokens x {HEADS} heads, K+V, {pattern}"
+            if before is not None:
+                ms = time_ms(lambda _: before(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
+                                              store.k_offset), device=device)
+                rows.append(Row(case, ms, dense_ms, moved, "bf16 index_copy_ of K and V", "before (--before)"))
+                print(f"{case}: before {ms:.4f} ms", flush=True)
+            for rows_per_program, per_sm in SETTINGS:
+                ms = time_ms(lambda _: quantize.store_turbo_triton(
+                    k, v, slots, store.k, store.v, store.signs, store.inv_sqrt, store.k_offset,
+                    rows_per_program=rows_per_program, programs_per_sm=per_sm), device=device)
+                note = f"{rows_per_program} rows per tile, " + (
+                    "one tile per program" if per_sm >= 1 << 20 else f"{per_sm} programs per SM")
+                rows.append(Row(case, ms, dense_ms, moved, "bf16 index_copy_ of K and V", note))
+                print(f"{case}: {ms:.4f} ms ({rows[-1].fraction_of_copy(copy_gbs):.0%} of copy), {note}", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="an earlier quantize.py to time beside the current one")
+    parser.add_argument("--no-record", action="store_true", help="print without writing docs/BENCHMARKS.md")
+    args = parser.parse_args()
+    device = require_gpu()
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    failures = check(device)
+    rows = timings(device, copy_gbs, _load_before(args.before) if args.before else None)
+    status = "all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {', '.join(failures)}"
+    report(f"Turbo store kernel settings ({status})", rows, copy_gbs, command_line("bench/turbo_store_sweep.py", None),
+           device=device, doc_path=None if args.no_record else Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
