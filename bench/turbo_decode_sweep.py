@@ -1,10 +1,12 @@
-"""Quick GPU sweep of the turbo decode kernel: `python bench/turbo_decode_sweep.py`.
+"""GPU sweep of the turbo decode kernel's launch settings: `python bench/turbo_decode_sweep.py [--ncu]`.
 
-Correctness first (kernels_turbo.check_correctness: rotation, store, and the fused decode against
-decode-then-attend at real sizes in bf16), then our decode against bf16 SDPA at the shapes the
-targets name (batch 8 at 64K and 16K, batch 1 at 64K) for each launch setting of
-kernels_turbo.SWEEP and programs per SM (the split count follows from it). Prints only: the recorded table comes from
-`python bench/kernels.py turbo`, run with the settings this sweep picks.
+Correctness first (every swept launch setting against decode-then-attend in bf16, real K/V written
+by the store kernel; `python bench/kernels.py turbo` checks the rest), then our decode against bf16 SDPA at the shapes the targets
+name: batch 8 at 64K and 16K and batch 1 at 64K with 32 query / 8 KV heads, and batch 1 at 64K with
+16 query / 8 KV heads (GQA 2, the end-to-end case). Per shape: each launch setting of SETTINGS at
+each split count of the shape's list (None: choose_splits), and the merge alone.
+Prints only; the recorded table comes from `python bench/kernels.py turbo` at the settings this
+sweep picks. ``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
 """
 
 from __future__ import annotations
@@ -12,27 +14,152 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+import triton
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import kernels_turbo  # noqa: E402
-from bench.harness import require_gpu  # noqa: E402
-from server.kernels.turbo import attention  # noqa: E402
+from bench import kernels_turbo
+from bench.harness import require_gpu, rotation_count, time_ms
+from server.kernels.turbo import attention
+from server.kernels.turbo.attention import (
+    attention_over_decoded_pages,
+    decode_attention_triton,
+)
+from server.kernels.turbo.format import RowLayout
+from server.kernels.turbo.store import TurboKVStore
 
-PROGRAMS_PER_SM = (4, 8, 16)
-SHAPES = ((8, 65536), (8, 16384), (1, 65536))  # (batch, context)
+PAGE, KV_HEADS, HEAD_DIM = 16, 8, 128
+# (block_n, num_warps, max registers, pipeline stages, column order of the decoded tiles); None: the
+# compiler's choice, {}: the decode's natural column order. The first two run at every split count of a
+# shape, the others at the rule's count only.
+SETTINGS = ((64, 4, 128, None, attention.COLUMN_ORDER), (64, 4, None, None, attention.COLUMN_ORDER),
+            (64, 4, 128, None, {}))
+SHAPES = (  # batch, context, query heads, split counts to try
+    (8, 65536, 32, (None, 16, 33)),
+    (8, 16384, 32, (None, 16, 33)),
+    (1, 65536, 32, (None, 33, 132)),
+    (1, 65536, 16, (None, 33, 132)),
+)
+
+
+def _check_settings(device) -> list[str]:
+    """Every swept setting (and a split count) vs decode-then-attend, bf16, real K/V from the store kernel."""
+    gen = torch.Generator().manual_seed(1)
+    failures = []
+    for head_dim, gqa, k_kind, v_kind, lens in kernels_turbo.CHECK_CASES[:2]:
+        store, tables, _ = kernels_turbo._filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen)
+        meta = kernels_turbo._meta(lens, tables)
+        q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
+        scale = head_dim**-0.5
+        reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale).float()
+        for block_n, num_warps, max_registers, num_stages, column_order in SETTINGS:
+            for splits in (None, 7):
+                fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
+                                                num_splits=splits, block_n=block_n, num_warps=num_warps,
+                                                max_registers=max_registers, num_stages=num_stages,
+                                                column_order=column_order).float()
+                err = (fused - reference).abs().max().item() / reference.abs().max().item()
+                name = (f"D={head_dim} {k_kind}/{v_kind} lens={lens} {block_n}/{num_warps}/{max_registers}/{num_stages}"
+                        f"{'' if column_order else ' natural column order'} splits={splits}")
+                print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
+                if err >= 2e-2:
+                    failures.append(name)
+    return failures
+
+
+def _random_inputs(batch, ctx, q_heads, kind, device):
+    """n_inputs independent (q, meta) over one store of random pages (every byte is a valid code)."""
+    layout = RowLayout(kind, HEAD_DIM)
+    pages_per_seq = ctx // PAGE
+    turbo_bytes = batch * ctx * KV_HEADS * 2 * layout.bytes_per_head
+    n_inputs = rotation_count(turbo_bytes, device)
+    num_pages = n_inputs * batch * pages_per_seq
+    store = TurboKVStore(1, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
+    for pages in (store.k, store.v):
+        pages.codes = torch.randint(0, 256, (num_pages, KV_HEADS, PAGE, layout.row_bytes), dtype=torch.uint8,
+                                    device=device)
+        pages.norms = (torch.rand(num_pages, KV_HEADS, PAGE, 1, device=device) * 4 + 8).half()
+    perm = torch.randperm(num_pages, device=device).int().reshape(n_inputs, batch, pages_per_seq)
+    metas = [kernels_turbo._meta([ctx] * batch, perm[i].contiguous()) for i in range(n_inputs)]
+    qs = [torch.randn(batch, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
+    return store, metas, qs, turbo_bytes
+
+
+def _sdpa_ms(batch, ctx, q_heads, device) -> float:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n_inputs = rotation_count(batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2, device)
+    kvs = [(torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16),
+            torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16)) for _ in range(n_inputs)]
+    q = torch.randn(batch, KV_HEADS, q_heads // KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return time_ms(lambda i: F.scaled_dot_product_attention(q, *kvs[i]), n_inputs=n_inputs, device=device)
+
+
+def _merge_only_ms(store, metas, qs, splits, device) -> float:
+    """The merge launch alone, on partial results of the real decode's shape."""
+    q = qs[0]
+    num_seqs, q_heads = q.shape[0], q.shape[1]
+    blocks = triton.cdiv(metas[0].max_seq_len, attention.BLOCK_N)
+    chunk = triton.cdiv(blocks, splits) * attention.BLOCK_N
+    splits = triton.cdiv(metas[0].max_seq_len, chunk)
+    part_acc = torch.randn(num_seqs * q_heads * splits, HEAD_DIM, device=device)
+    part_m = torch.randn(num_seqs * q_heads * splits, device=device)
+    part_l = torch.rand_like(part_m) + 1
+    out = torch.empty_like(q)
+
+    def merge(i):
+        attention._merge_kernel[(num_seqs, q_heads)](
+            out, out.stride(0), out.stride(1), metas[i].query_start_loc, metas[i].seq_lens, part_acc, part_m,
+            part_l, chunk, splits, store.signs[0], store.signs[1], store.inv_sqrt,
+            SPLIT_TILE=attention.MERGE_SPLIT_TILE, D=HEAD_DIM, G=HEAD_DIM, LOG2_G=HEAD_DIM.bit_length() - 1)
+
+    return time_ms(merge, n_inputs=len(metas), device=device)
+
+
+def _sweep_shape(batch, ctx, q_heads, split_list, kind, settings, device) -> None:
+    sdpa = _sdpa_ms(batch, ctx, q_heads, device)
+    torch.cuda.empty_cache()
+    store, metas, qs, turbo_bytes = _random_inputs(batch, ctx, q_heads, kind, device)
+    scale = HEAD_DIM**-0.5
+    label = f"{kind} b{batch} ctx{ctx // 1024}K {q_heads}q/{KV_HEADS}kv"
+    print(f"{label}: bf16 SDPA {sdpa:.4f} ms", flush=True)
+    for n, (block_n, num_warps, max_registers, num_stages, column_order) in enumerate(settings):
+        for splits in split_list if n < 2 else split_list[:1]:
+            launch = dict(num_splits=splits, block_n=block_n, num_warps=num_warps, max_registers=max_registers,
+                          num_stages=num_stages, column_order=column_order)
+
+            def ours(i, launch=launch):
+                return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
+                                               **launch)
+
+            ms = time_ms(ours, n_inputs=len(qs), device=device)
+            chosen = attention.choose_splits(batch, KV_HEADS, ctx, device, block_n) if splits is None else splits
+            print(f"  {label} {block_n}/{num_warps} regs<={max_registers} stages={num_stages}"
+                  f"{'' if column_order else ' natural column order'} splits={chosen}"
+                  f"{' (rule)' if splits is None else ''}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
+                  f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
+    for splits in split_list[1:2]:
+        print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
+              flush=True)
 
 
 def main() -> int:
     device = require_gpu()
-    failures = kernels_turbo.check_correctness(device)
-    for batch, ctx in SHAPES:
-        sdpa = kernels_turbo._sdpa_ms(batch, ctx, device)
-        for kind in ("turbo3", "turbo4"):
-            for programs in PROGRAMS_PER_SM:
-                attention.PROGRAMS_PER_SM = programs
-                for row in kernels_turbo._decode_case(batch, ctx, kind, device, kernels_turbo.SWEEP):
-                    print(f"{row.case}, {row.note}, {programs} programs/SM: {row.ours_ms:.4f} ms vs SDPA "
-                          f"{sdpa:.4f} ms = {sdpa / row.ours_ms:.2f}x", flush=True)
+    if "--ncu" in sys.argv:  # two launches each of the first two settings, for a profiler to read
+        store, metas, qs, _ = _random_inputs(8, 65536, 32, "turbo3", device)
+        for i, (block_n, num_warps, max_registers, num_stages, column_order) in enumerate(2 * SETTINGS[:2]):
+            decode_attention_triton(qs[i % len(qs)], store.k, store.v, metas[i % len(qs)], HEAD_DIM**-0.5, store.signs,
+                                    store.inv_sqrt, block_n=block_n, num_warps=num_warps, max_registers=max_registers,
+                                    num_stages=num_stages, column_order=column_order)
+        torch.cuda.synchronize()
+        return 0
+    failures = _check_settings(device)
+    for batch, ctx, q_heads, split_list in SHAPES:
+        _sweep_shape(batch, ctx, q_heads, split_list, "turbo3", SETTINGS, device)
+        torch.cuda.empty_cache()
     print("all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {failures}")
     return 1 if failures else 0
 

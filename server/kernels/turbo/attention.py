@@ -40,13 +40,23 @@ from server.kernels.turbo.quantize import TurboPages
 LOG2E = 1.4426950408889634
 # Tokens per inner step and warps: 64 / 4 measured fastest (with 128 / 8 close), programs per
 # SM 8 at batch 8 (vs 4 and 16) while batch 1 at 64K wanted splits of >= ~1000 tokens: the H200
-# sweep of bench/turbo_decode_sweep.py, docs/BENCHMARKS.md.
+# sweeps of bench/turbo_decode_sweep.py, docs/BENCHMARKS.md.
 BLOCK_N = 64
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 1024  # shorter splits spend more on their Q rotation and partial outputs than they hide
-MAX_REGISTERS = None  # ptxas's choice (162 at 64 / 4: 3 programs per SM); the sweep also tries 128
+# 4 programs per SM instead of ptxas's 3 (137-162 registers): b1/64K 0.079 -> 0.072 ms, b8/64K
+# 0.483 -> 0.470 ms (H200 sweep, 2026-11-30); a few instructions more, no local-memory spills.
+MAX_REGISTERS = 128
 NUM_STAGES = None  # Triton's default (3) for the cp.async pipeline of the code loads; the sweep also tries 5
+# Column chunk order of the decoded tiles per index width (_permute_columns). The decode gives
+# neighbouring lanes column chunks of one row that the swizzled shared-memory tile behind the mma
+# operand maps to the same bank group: every store of a decoded tile was 2-way bank-conflicted
+# (45 % of the shared store wavefronts at turbo3, ncu on the H200). These orders make the stores
+# conflict-free in the compiled sm_90 layouts ("tile stores" of `python bench/turbo_sass.py`).
+COLUMN_ORDER = {(2, 128): (1, 0, 2, 3), (3, 128): (1, 0, 2, 3), (4, 128): (2, 0, 1, 3),
+                (2, 256): (2, 3, 0, 1, 4), (3, 256): (2, 1, 0, 3, 4), (4, 256): (3, 4, 2, 0, 1)}
+MERGE_SPLIT_TILE = 64  # splits a merge program reads at once ([64, D] float32: 64 registers a thread at D = 128)
 
 
 @triton.jit
@@ -75,12 +85,43 @@ def _block_rows(t0, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_nor
 
 
 @triton.jit
+def _permute_columns(x, ROWS: tl.constexpr, D: tl.constexpr, ORDER: tl.constexpr):
+    """Reorder the 8-column chunks of each row by a permutation of the chunk index's bits: bit
+    axis i (the most significant first) of the result is bit axis ORDER[i] of x. () keeps x.
+
+    A relabeling inside the registers of a decoded tile (see COLUMN_ORDER): attention is the same
+    in any column order as long as q's columns follow K's and the output undoes V's.
+    """
+    if len(ORDER) > 0:
+        x = tl.reshape(x, (ROWS, 2, 2, 2, 2, 8) if len(ORDER) == 4 else (ROWS, 2, 2, 2, 2, 2, 8))
+        if len(ORDER) == 4:
+            x = tl.permute(x, (0, 1 + ORDER[0], 1 + ORDER[1], 1 + ORDER[2], 1 + ORDER[3], 5))
+        else:
+            x = tl.permute(x, (0, 1 + ORDER[0], 1 + ORDER[1], 1 + ORDER[2], 1 + ORDER[3], 1 + ORDER[4], 6))
+        x = tl.reshape(x, (ROWS, D))
+    return x
+
+
+@triton.jit
+def _tile(codes, row, valid, norm, table_ptr, poly_ptr, BLOCK: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+          BITS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr, ORDER: tl.constexpr):
+    """The rows' rotated values [BLOCK, D] as mma operands; with several groups per head scaled by their
+    norms (one norm per token scales the scores or probabilities instead: fewer multiplies)."""
+    NG: tl.constexpr = D // G
+    c = _centroids(codes + row * (D * BITS // 8), valid, table_ptr, poly_ptr, BLOCK, D, BITS, F16, ASM)
+    if NG > 1:
+        c = tl.reshape(tl.reshape(c, (BLOCK, NG, G)) * norm[:, :, None].to(c.dtype), (BLOCK, D))
+    return _permute_columns(c, BLOCK, D, ORDER)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
                    inv_sqrt, qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
                    H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
-                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
+                   V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+                   K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr):
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -98,6 +139,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                     mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
         q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
         q = (tl.reshape(q, (GQA_PAD, D)) * qk_scale).to(OP)
+        q = _permute_columns(q, GQA_PAD, D, K_ORDER)  # K's column order (see _permute_columns)
 
         m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
         l = tl.zeros((GQA_PAD, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
@@ -109,31 +151,28 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         for t0 in range(start, end, BLOCK):
             valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
                 t0 + BLOCK, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
-            k = _centroids(k_codes + row * (D * K_BITS // 8), valid, k_table, k_poly, BLOCK, D, K_BITS, F16, ASM)
+            k = _tile(k_codes, row, valid, k_norm, k_table, k_poly, BLOCK, D, G, K_BITS, F16, ASM, K_ORDER)
             # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
             # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
             # (SASS main loop 1670 -> 1439 instructions at 64 tokens / 4 warps).
-            if NG == 1:  # one norm per token: scale the scores, not every element
-                scores = tl.trans(tl.dot(k, tl.trans(q))) * tl.reshape(k_norm, (BLOCK,))[None, :]
-            else:
-                k = tl.reshape(tl.reshape(k, (BLOCK, NG, G)) * k_norm[:, :, None].to(OP), (BLOCK, D))
-                scores = tl.trans(tl.dot(k, tl.trans(q)))
+            scores = tl.trans(tl.dot(k, tl.trans(q)))
+            if NG == 1:
+                scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
             scores = tl.where(valid[None, :], scores, float("-inf"))
 
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha[:, None] + p
-
-            v = _centroids(v_codes + row * (D * V_BITS // 8), valid, v_table, v_poly, BLOCK, D, V_BITS, F16, ASM)
             if NG == 1:  # fold the value norms into the probabilities
-                acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans((p * tl.reshape(v_norm, (BLOCK,))[None, :]).to(OP))))
-            else:
-                v = tl.reshape(tl.reshape(v, (BLOCK, NG, G)) * v_norm[:, :, None].to(OP), (BLOCK, D))
-                acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(OP))))
+                p = p * tl.reshape(v_norm, (BLOCK,))[None, :]
+
+            v = _tile(v_codes, row, valid, v_norm, v_table, v_poly, BLOCK, D, G, V_BITS, F16, ASM, V_ORDER)
+            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(OP))))
             m = m_new
             valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
 
+        acc = _permute_columns(acc, GQA_PAD, D, V_UNDO)  # back from V's column order
         part = (seq * (H_KV * GQA) + heads) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
         tl.store(part_m_ptr + part, m, mask=g < GQA)
@@ -143,37 +182,38 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 @triton.jit
 def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr,
                   part_l_ptr, chunk, num_splits, first_ptr, second_ptr, inv_sqrt,
-                  H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
+                  SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
+    """One program per (sequence, query head): log-sum-exp merge of its splits, SPLIT_TILE at a time."""
     NG: tl.constexpr = D // G
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    g = tl.arange(0, GQA_PAD)
-    heads = kv_head * GQA + g
-    part0 = (seq * (H_KV * GQA) + heads) * num_splits
+    head = tl.program_id(1)
+    part0 = (seq * tl.num_programs(1) + head) * num_splits
     used = tl.minimum((tl.load(seq_lens_ptr + seq) + chunk - 1) // chunk, num_splits)  # splits the decode kernel wrote
-    sp = tl.arange(0, SPLITS_PAD)
-    present = (g < GQA)[:, None] & (sp < used)[None, :]
-    m_all = tl.load(part_m_ptr + part0[:, None] + sp[None, :], mask=present, other=float("-inf"))
-    m_max = tl.max(m_all, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded heads, seq_len 0: keep the math finite
+    tile = tl.arange(0, SPLIT_TILE)
+    m_max = float("-inf")
+    for s0 in range(0, used, SPLIT_TILE):
+        m_max = tl.maximum(m_max, tl.max(tl.load(part_m_ptr + part0 + s0 + tile, mask=s0 + tile < used,
+                                                 other=float("-inf"))))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: no split, keep the math finite
 
-    out = tl.zeros((GQA_PAD, D), tl.float32)
-    denom = tl.zeros((GQA_PAD,), tl.float32)
-    for i in range(used):
-        m_i = tl.load(part_m_ptr + part0 + i, mask=g < GQA, other=float("-inf"))
-        w = tl.exp2(m_i - m_max)
-        denom += w * tl.load(part_l_ptr + part0 + i, mask=g < GQA, other=0.0)
-        acc = tl.load(part_acc_ptr + (part0 + i)[:, None] * D + tl.arange(0, D)[None, :],
-                      mask=(g < GQA)[:, None], other=0.0)
-        out += w[:, None] * acc
-    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    out = tl.zeros((D,), tl.float32)
+    denom = 0.0
+    for s0 in range(0, used, SPLIT_TILE):
+        present = s0 + tile < used
+        w = tl.exp2(tl.load(part_m_ptr + part0 + s0 + tile, mask=present, other=float("-inf")) - m_max)
+        denom += tl.sum(w * tl.load(part_l_ptr + part0 + s0 + tile, mask=present, other=0.0))
+        acc = tl.load(part_acc_ptr + (part0 + s0 + tile)[:, None] * D + tl.arange(0, D)[None, :],
+                      mask=present[:, None], other=0.0)
+        out += tl.sum(w[:, None] * acc, axis=0)
+    out = out / tl.where(denom > 0, denom, 1.0)
     # Back from the rotated domain: the inverse swaps the sign tables (rotation.py).
-    out = rotate_rows(tl.reshape(out, (GQA_PAD * NG, G)), second_ptr, first_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
-    out = tl.reshape(out, (GQA_PAD, D))
+    out = tl.reshape(rotate_rows(tl.reshape(out, (NG, G)), second_ptr, first_ptr, inv_sqrt, NG, G, LOG2_G), (D,))
     q_row = tl.load(q_start_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + q_row * out_stride_t + heads[:, None] * out_stride_h + tl.arange(0, D)[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(g < GQA)[:, None])
+    tl.store(out_ptr + q_row * out_stride_t + head * out_stride_h + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(order.index(i) for i in range(len(order)))
 
 
 @functools.cache
@@ -182,11 +222,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
-    """Split long contexts toward PROGRAMS_PER_SM programs per SM (flash-decoding), but not into splits
-    shorter than MIN_SPLIT_TOKENS unless that leaves SMs without a program."""
+    """Split long contexts into at most PROGRAMS_PER_SM programs per SM (flash-decoding), but not into
+    splits shorter than MIN_SPLIT_TOKENS unless that leaves SMs without a program.
+
+    At most, not about: one program over two waves of the 4 resident programs per SM is a third
+    wave (H200, b8/64K at 128 registers: 16 splits 0.470 ms, the 17 of rounding up 0.494 ms).
+    """
     blocks = max(1, triton.cdiv(max_seq_len, block_n))
     rows = max(1, num_seqs * kv_heads)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), rows)
+    wanted = PROGRAMS_PER_SM * _sm_count(device) // rows
     long_enough = max(triton.cdiv(_sm_count(device), rows), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
     return max(1, min(blocks, wanted, long_enough))
 
@@ -195,7 +239,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                             num_splits: int | None = None, block_n: int = BLOCK_N,
                             num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
-                            num_stages: int | None = NUM_STAGES) -> torch.Tensor:
+                            num_stages: int | None = NUM_STAGES,
+                            column_order: dict[tuple[int, int], tuple[int, ...]] = COLUMN_ORDER) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
     ``num_splits`` and the launch settings exist for tests and the benchmark's sweep.
@@ -225,15 +270,17 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
             scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
+            K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
+            V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),
             F16=q.dtype != torch.float32, ASM=q.device.type == "cuda" and torch.version.cuda is not None,
             num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
             **({} if num_stages is None else {"num_stages": num_stages}),
             **shape,
         )
-        _merge_kernel[(num_seqs, kv_heads)](
+        _merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
-            chunk, num_splits, signs[0], signs[1], inv_sqrt, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            **shape,
+            chunk, num_splits, signs[0], signs[1], inv_sqrt, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim, G=group,
+            LOG2_G=group.bit_length() - 1,
         )
     return out
 
