@@ -27,7 +27,7 @@ from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo import attention
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
-from server.kernels.turbo.quantize import ROWS_PER_PROGRAM, store_turbo_triton
+from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
@@ -197,11 +197,10 @@ def _rotation_and_store_rows(device) -> list[Row]:
     for kind in ("turbo3", "turbo4"):
         store = TurboKVStore(tokens * 2 // PAGE, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
         moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind) + slots.numel() * 8
-        for per_program in (ROWS_PER_PROGRAM, 2 * ROWS_PER_PROGRAM):  # the first is the default
-            ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
-                                                      store.k_offset, rows_per_program=per_program), device=device)
-            rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
-                            "bf16 index_copy_ of K and V", f"{per_program} token-head rows per tile"))
+        ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
+                                                  store.k_offset), device=device)
+        rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
+                        "bf16 index_copy_ of K and V", f"{STORE_LAUNCH} (bench/turbo_store_sweep.py sweeps it)"))
     return rows
 
 

@@ -6,9 +6,9 @@
    format.quantize_reference on the same device: index mismatches (a value within an ulp of a
    midpoint may differ, nothing else), norms of the groups whose indices all agree, zero rows,
    padding slots (-1) and slots nobody wrote.
-2. Timing, 32768 tokens x 8 KV heads x d128, K+V: the store's tile size and programs per SM, for
-   slots as an engine step writes them (pages shuffled, tokens contiguous inside a page) and for
-   tokens scattered one by one; baseline: bf16 index_copy_ of K and V through the same slots.
+2. Timing, 32768 tokens x 8 KV heads x d128, K+V: the store's launch settings (quantize.StoreLaunch)
+   for slots as an engine step writes them (pages shuffled, tokens contiguous inside a page), and the
+   default for tokens scattered one by one; baseline: bf16 index_copy_ of K and V through the same slots.
    ``--before FILE``: a copy of an earlier quantize.py (`git show REV:server/kernels/turbo/quantize.py
    > FILE`) timed on the same inputs, so one run shows before and after.
    Bytes: bf16 K and V read + the turbo pages written (indices and norms) + the slot mapping.
@@ -27,20 +27,23 @@ import torch  # noqa: E402
 
 from bench.harness import Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms  # noqa: E402
 from bench.kernels_turbo import engine_slots  # noqa: E402
-from server.kernels.turbo import quantize  # noqa: E402
+from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.format import quantize_reference, unpack_indices  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
 PAGE, HEADS, TOKENS, CHECK_TOKENS = 16, 8, 32768, 3000
 CHECKS = [(128, "turbo3", "turbo3"), (128, "turbo4", "turbo4"), (64, "turbo2", "turbo4"), (256, "turbo4", "turbo3")]
-SETTINGS = [(16, 4), (16, 2), (16, 8), (32, 2), (32, 4), (16, 1 << 20), (32, 1 << 20)]  # (rows, programs per SM)
+SETTINGS = [STORE_LAUNCH, StoreLaunch(rows=32), StoreLaunch(programs_per_sm=2), StoreLaunch(programs_per_sm=8),
+            StoreLaunch(programs_per_sm=1 << 20), StoreLaunch(stages=2), StoreLaunch(stages=3),
+            StoreLaunch(max_registers=128), StoreLaunch(rows=32, stages=2)]  # the first is the default
+CHECK_DTYPES = {torch.bfloat16: CHECKS, torch.float16: CHECKS[:1] + CHECKS[-1:]}
 
 
 def check(device) -> list[str]:
     failures = []
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16):
-        for head_dim, k_kind, v_kind in CHECKS:
+    for dtype, cases in CHECK_DTYPES.items():
+        for head_dim, k_kind, v_kind in cases:
             tokens = CHECK_TOKENS
             store = TurboKVStore(2 * tokens // PAGE, PAGE, HEADS, head_dim, k_kind, v_kind, device, dtype)
             offset = torch.randn(HEADS, head_dim, generator=gen) * 2
@@ -108,12 +111,12 @@ def timings(device, copy_gbs: float, before) -> list[Row]:
                                               store.k_offset), device=device)
                 rows.append(Row(case, ms, dense_ms, moved, "bf16 index_copy_ of K and V", "before (--before)"))
                 print(f"{case}: before {ms:.4f} ms", flush=True)
-            for rows_per_program, per_sm in SETTINGS:
-                ms = time_ms(lambda _: quantize.store_turbo_triton(
-                    k, v, slots, store.k, store.v, store.signs, store.inv_sqrt, store.k_offset,
-                    rows_per_program=rows_per_program, programs_per_sm=per_sm), device=device)
-                note = f"{rows_per_program} rows per tile, " + (
-                    "one tile per program" if per_sm >= 1 << 20 else f"{per_sm} programs per SM")
+            for launch in SETTINGS if pattern == "engine slots" else SETTINGS[:1]:
+                ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
+                                                          store.k_offset, launch), device=device)
+                fields = launch.__dataclass_fields__
+                note = (f"default {launch}" if launch == STORE_LAUNCH else ", ".join(
+                    f"{f}={getattr(launch, f)}" for f in fields if getattr(launch, f) != getattr(STORE_LAUNCH, f)))
                 rows.append(Row(case, ms, dense_ms, moved, "bf16 index_copy_ of K and V", note))
                 print(f"{case}: {ms:.4f} ms ({rows[-1].fraction_of_copy(copy_gbs):.0%} of copy), {note}", flush=True)
     return rows

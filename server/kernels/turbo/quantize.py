@@ -5,8 +5,11 @@ nearest centroid, norm correction n / ||c||, pack (codes.store_indices), and sca
 token's slot. Program axis 1 picks K (0) or V (1), whose kinds may differ. Keys first lose their
 head's offset (TurboKVStore.k_offset): what is quantized is k - m.
 
-Where the instructions go (sm_90 SASS per stored value, bench/turbo_store_sass.py): the
+Where the instructions go (sm_90 SASS per stored value: `python bench/turbo_store_sass.py`): the
 rotation's butterflies are the floor; everything else is kept to a few selects per value:
+  * each group is loaded as two halves that Triton lays out alike, so the last butterfly stage
+    (h = G/2) pairs values inside one thread: one shuffle stage fewer, and the row sums cover
+    twice the values per thread;
   * no division: the rotation is linear, so the unnormalized group is rotated and compared with
     the midpoints scaled by n (one multiply per midpoint and group, not one per value);
   * nearest centroid as a branch-free binary search over the magnitude |y| (the codebook is
@@ -33,10 +36,25 @@ from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
 
-ROWS_PER_PROGRAM = 16
-# Programs per SM for each of K and V: each loops over tiles of ROWS_PER_PROGRAM rows, so the sign
-# patterns and the codebook are loaded once per program, not once per tile.
-PROGRAMS_PER_SM = 4
+
+@dataclass(frozen=True)
+class StoreLaunch:
+    """How the store kernel is launched; the defaults are what the engine uses, the rest is for the bench sweep.
+
+    Each of K and V gets ``programs_per_sm`` programs per SM (one per tile when there are fewer tiles),
+    each looping over tiles of ``rows`` token-head rows, so the sign patterns and the codebook are loaded
+    once per program (the compiler cannot hoist loads past the stores). ``stages`` > 1 prefetches the
+    next tiles' K/V (cp.async); ``max_registers`` caps registers for more programs per SM.
+    """
+
+    rows: int = 16
+    programs_per_sm: int = 4
+    num_warps: int = 4
+    stages: int = 1
+    max_registers: int | None = None
+
+
+STORE_LAUNCH = StoreLaunch()
 INTERPRETER_PROGRAMS = 2  # on CPU: few programs, so the tests run the tile loop more than once
 
 
@@ -95,13 +113,17 @@ def _magnitude_search(a, n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, 
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr, offset_ptr,
                    first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr):
+                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                   STAGES: tl.constexpr):
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
     # Per program, before the tile loop (the compiler cannot hoist loads past the stores): the sign
     # patterns of rotation.rotate_rows and the codebook's positive half.
-    flip = sign_masks(first_ptr, G)
-    scale = tl.where(sign_masks(second_ptr, G) != 0, -inv_sqrt, inv_sqrt)
+    G2: tl.constexpr = G // 2
+    flip_lo = sign_masks(first_ptr, G2)
+    flip_hi = sign_masks(first_ptr + G2 // 32, G2)
+    scale_lo = tl.where(sign_masks(second_ptr, G2) != 0, -inv_sqrt, inv_sqrt)
+    scale_hi = tl.where(sign_masks(second_ptr + G2 // 32, G2) != 0, -inv_sqrt, inv_sqrt)
     p1 = _half_entry(mid_ptr, HALF - 1, 1, HALF)  # midpoints[HALF - 1] is the middle one, 0.0
     p2 = _half_entry(mid_ptr, HALF - 1, 2, HALF)
     p3 = _half_entry(mid_ptr, HALF - 1, 3, HALF)
@@ -118,30 +140,38 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
     q6 = _half_entry(cent_ptr, HALF, 6, HALF)
     q7 = _half_entry(cent_ptr, HALF, 7, HALF)
     q0, q1, q2, q3, q4, q5, q6, q7 = q0 * q0, q1 * q1, q2 * q2, q3 * q3, q4 * q4, q5 * q5, q6 * q6, q7 * q7
-    for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
-        tok = rows // H
-        head = rows % H
-        slot = tl.load(slot_ptr + tok, mask=rows < n_rows, other=-1).to(tl.int64)
+        slot = tl.load(slot_ptr + rows // H, mask=rows < n_rows, other=-1).to(tl.int64)
         valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_t + head[:, None] * stride_h
-                    + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        # One [ROWS * NG, G / 2] tile per half group (rg = row * NG + group): Triton gives both the same
+        # layout, so the butterfly stage between halves stays inside each thread.
+        rg = tile * ROWS * NG + tl.arange(0, ROWS * NG)
+        tok = rg // NG // H
+        head = rg // NG % H
+        ok = (rg // NG < n_rows) & (tl.load(slot_ptr + tok, mask=rg // NG < n_rows, other=-1) >= 0)
+        base = tok.to(tl.int64) * stride_t + head * stride_h + rg % NG * G
+        c = tl.arange(0, G2)[None, :]
+        lo = tl.load(x_ptr + base[:, None] + c, mask=ok[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + base[:, None] + G2 + c, mask=ok[:, None], other=0.0).to(tl.float32)
         if HAS_OFFSET:  # offset_ptr: float32 [H, D], one vector per KV head
-            x -= tl.load(offset_ptr + head[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-        xg = tl.reshape(x, (ROWS * NG, G))
-        n = tl.sqrt(tl.sum(xg * xg, axis=1))[:, None]
-        # rotation.rotate_rows with the signs hoisted: y = n * rotate(x / n), the rotation being linear
-        y = fwht_rows((xg.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True), ROWS * NG, G, LOG2_G)
-        y = y * scale
-        j, c2 = _magnitude_search(tl.abs(y), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
-        # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
-        # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
-        upper = y >= tl.where(n > 0, 0.0, float("inf"))
-        idx = j ^ tl.where(upper, HALF, HALF - 1)
-        row = (slot // PAGE_SIZE * H + head) * PAGE_SIZE + slot % PAGE_SIZE
-        # Packed before the ||c|| reduction: the compiler then keeps no comparison results alive across it.
-        store_indices(tl.reshape(idx, (ROWS, D)), codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
-        c_norm = tl.sqrt(tl.sum(c2, axis=1))
+            obase = head * D + rg % NG * G
+            lo -= tl.load(offset_ptr + obase[:, None] + c, mask=ok[:, None], other=0.0)
+            hi -= tl.load(offset_ptr + obase[:, None] + G2 + c, mask=ok[:, None], other=0.0)
+        n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
+        lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2, LOG2_G - 1)
+        hi = fwht_rows((hi.to(tl.int32, bitcast=True) ^ flip_hi).to(tl.float32, bitcast=True), ROWS * NG, G2, LOG2_G - 1)
+        y_lo = (lo + hi) * scale_lo  # the last butterfly stage, h = G / 2
+        y_hi = (lo - hi) * scale_hi
+        zero = tl.where(n > 0, 0.0, float("inf"))
+        j, c2_lo = _magnitude_search(tl.abs(y_lo), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        idx_lo = j ^ tl.where(y_lo >= zero, HALF, HALF - 1)
+        j, c2_hi = _magnitude_search(tl.abs(y_hi), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        idx_hi = j ^ tl.where(y_hi >= zero, HALF, HALF - 1)
+        idx = tl.reshape(tl.permute(tl.join(idx_lo, idx_hi), (0, 2, 1)), (ROWS, D))
+        row = (slot // PAGE_SIZE * H + rows % H) * PAGE_SIZE + slot % PAGE_SIZE
+        store_indices(idx, codes_ptr + row * (D * BITS // 8), valid, ROWS, D, BITS)
+        c_norm = tl.sqrt(tl.sum(c2_lo + c2_hi, axis=1))
         n_flat = tl.reshape(n, (ROWS * NG,))
         stored = tl.where(c_norm > 1e-10, n_flat / c_norm, n_flat)  # zero input: n == 0 gives norm 0
         norm_offs = row[:, None] * NG + tl.arange(0, NG)[None, :]
@@ -154,24 +184,21 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                   first_ptr, second_ptr, inv_sqrt, n_rows,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  K_OFFSET: tl.constexpr):
+                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr):
     if tl.program_id(1) == 0:
         _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET)
+                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET, STAGES)
     else:
         _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False)
+                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False, STAGES)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
                        v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                       k_offset: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM,
-                       programs_per_sm: int = PROGRAMS_PER_SM) -> None:
+                       k_offset: torch.Tensor | None = None, launch: StoreLaunch = STORE_LAUNCH) -> None:
     """Quantize k - k_offset and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch for both.
 
     ``k_offset``: float32 [kv_heads, D], contiguous (TurboKVStore.k_offset); None: the spec's plain format.
-
-    ``rows_per_program`` (token-head rows per tile) and ``programs_per_sm`` exist for the benchmark's sweep.
     """
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -180,20 +207,20 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     if n_rows == 0:
         return
     group = group_size(head_dim)
-    tiles = triton.cdiv(n_rows, rows_per_program)
+    tiles = triton.cdiv(n_rows, launch.rows)
     if k.device.type == "cuda":
-        programs = min(tiles, _multiprocessors(k.device) * programs_per_sm)
+        programs = min(tiles, _multiprocessors(k.device) * launch.programs_per_sm)
     else:
         programs = min(tiles, INTERPRETER_PROGRAMS)
-    grid = (programs, 2)
+    options = {} if launch.max_registers is None else {"maxnreg": launch.max_registers}
     with timed("turbo_store", k.device):
-        _store_kernel[grid](
+        _store_kernel[(programs, 2)](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping,
             k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids,
             k_pages.centroids if k_offset is None else k_offset,  # never read without K_OFFSET
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
             signs[0], signs[1], inv_sqrt, n_rows,
-            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=rows_per_program, D=head_dim, G=group,
+            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=launch.rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
-            K_OFFSET=k_offset is not None,
+            K_OFFSET=k_offset is not None, STAGES=launch.stages, num_warps=launch.num_warps, **options,
         )

@@ -1,0 +1,63 @@
+"""SASS instruction counts of the turbo store kernel's tile loop, compiled for sm_90 on any machine.
+
+`python bench/turbo_store_sass.py` prints, for turbo3 and turbo4 K/V (head_dim 128, 8 KV heads, key
+offset on) and a few tile settings: registers, and the instructions of the wider tile loop (K or V) per
+stored value with its most common opcodes. A proxy for issue-bound work, not a speed measurement
+(bench/turbo_store_sweep.py times the kernel on the GPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile real kernels, not interpreted ones
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.sass import TOOLS, compile_sm90, sass_counts  # noqa: E402
+from bench.turbo_sass import main_loop  # noqa: E402
+from server.kernels.turbo import quantize  # noqa: E402
+
+TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", "k_codes": "*u8", "v_codes": "*u8",
+         "k_norms": "*fp16", "v_norms": "*fp16", "k_mid": "*fp32", "v_mid": "*fp32", "k_cent": "*fp32",
+         "v_cent": "*fp32", "k_offset": "*fp32", "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32"}
+SETTINGS = [(16, 4), (32, 4), (64, 8)]  # (rows per tile, warps)
+
+
+def store_loop(bits: int, rows: int, warps: int) -> tuple[list[str], dict]:
+    constants = dict(H=8, PAGE_SIZE=16, ROWS=rows, D=128, G=128, LOG2_G=7, K_BITS=bits, V_BITS=bits, K_OFFSET=True,
+                     STAGES=1)
+    fn = quantize._store_kernel
+    signature, constexprs = {}, {}
+    for name, param in zip(fn.arg_names, fn.params):
+        if param.is_constexpr:
+            signature[name], constexprs[name] = "constexpr", constants[name]
+        else:
+            signature[name] = TYPES.get(name, "i32")
+    strides = frozenset(name for name in signature if "stride" in name)  # multiples of 16 in a real launch
+    kernel = compile_sm90(fn, signature, constexprs, warps, strides)
+    _, resources = sass_counts(kernel)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([TOOLS / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True, check=True)
+    return main_loop(sass.stdout), resources
+
+
+def main() -> None:
+    for bits in (3, 4):
+        for rows, warps in SETTINGS:
+            loop, resources = store_loop(bits, rows, warps)
+            per_thread = rows * 128 / (32 * warps)
+            opcodes = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in loop)
+            print(f"turbo{bits}, {rows} rows / {warps} warps: {resources['REG']} registers, tile loop "
+                  f"{len(loop)} instructions = {len(loop) / per_thread:.1f} per value; "
+                  + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(10)))
+
+
+if __name__ == "__main__":
+    main()
