@@ -10,9 +10,10 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     (codes.decode_rows): with fp16/bf16 queries (the GPU case) by a byte-permute lookup
     of fp16 centroids (about one PRMT per value), and Q, K, P, V are fp16 mma operands
     with fp32 accumulation; with fp32 queries (CPU tests) indices and the codebook's odd
-    polynomial in fp32;
-  * a second small kernel merges the splits (log-sum-exp) and applies the one inverse
-    rotation per output.
+    polynomial in fp32; the decoded tiles' column chunks are relabeled (COLUMN_ORDER) so
+    their way through shared memory to the mma is free of bank conflicts;
+  * a second small kernel, one program per (sequence, query head), merges the splits
+    (log-sum-exp) and applies the one inverse rotation per output.
 
 Everything else (prefill, chunked prefill, mixed batches, CPU) decodes the pages that the
 batch references into compact dense pages and runs dense paged attention over them (the
@@ -45,15 +46,16 @@ BLOCK_N = 64
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 1024  # shorter splits spend more on their Q rotation and partial outputs than they hide
-# 4 programs per SM instead of ptxas's 3 (137-162 registers): b1/64K 0.079 -> 0.072 ms, b8/64K
-# 0.483 -> 0.470 ms (H200 sweep, 2026-11-30); a few instructions more, no local-memory spills.
+# 4 programs per SM instead of ptxas's 3 (137 registers): turbo3 b8/64K 0.429 -> 0.405 ms, b1/64K
+# 0.073 -> 0.063 ms (H200, docs/BENCHMARKS.md 2026-11-30 01:38); a few instructions more, no spills.
 MAX_REGISTERS = 128
 NUM_STAGES = None  # Triton's default (3) for the cp.async pipeline of the code loads; the sweep also tries 5
 # Column chunk order of the decoded tiles per index width (_permute_columns). The decode gives
 # neighbouring lanes column chunks of one row that the swizzled shared-memory tile behind the mma
 # operand maps to the same bank group: every store of a decoded tile was 2-way bank-conflicted
 # (45 % of the shared store wavefronts at turbo3, ncu on the H200). These orders make the stores
-# conflict-free in the compiled sm_90 layouts ("tile stores" of `python bench/turbo_sass.py`).
+# conflict-free in the compiled sm_90 layouts ("tile stores" of `python bench/turbo_sass.py`):
+# turbo3 b8/64K 0.462 -> 0.405 ms, b1/64K 0.071 -> 0.063 ms (H200, docs/BENCHMARKS.md 01:38 block).
 COLUMN_ORDER = {(2, 128): (1, 0, 2, 3), (3, 128): (1, 0, 2, 3), (4, 128): (2, 0, 1, 3),
                 (2, 256): (2, 3, 0, 1, 4), (3, 256): (2, 1, 0, 3, 4), (4, 256): (3, 4, 2, 0, 1)}
 MERGE_SPLIT_TILE = 64  # splits a merge program reads at once ([64, D] float32: 64 registers a thread at D = 128)
