@@ -47,7 +47,7 @@ class StoreLaunch:
     next tiles' K/V (cp.async); ``max_registers`` caps registers for more programs per SM.
     """
 
-    rows: int = 16
+    rows: int = 32  # fastest on the H200 for turbo3, second for turbo4 (docs/BENCHMARKS.md, 01:39 UTC)
     programs_per_sm: int = 4
     num_warps: int = 4
     stages: int = 1
