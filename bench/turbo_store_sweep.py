@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from bench.harness import Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms  # noqa: E402
 from bench.kernels_turbo import engine_slots  # noqa: E402
-from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.format import quantize_reference, unpack_indices  # noqa: E402
+from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
 PAGE, HEADS, TOKENS, CHECK_TOKENS = 16, 8, 32768, 3000

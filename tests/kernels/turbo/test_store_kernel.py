@@ -7,6 +7,7 @@ midpoints at or below it, so the test knows the answer without the code under te
 """
 
 import bisect
+import itertools
 import math
 
 import pytest
@@ -26,7 +27,7 @@ def cell_probes(bits: int, group: int) -> list[float]:
     """Unit-sphere coordinates: every centroid and, for every midpoint, one point on each side."""
     c = codebook(bits, group).centroids
     probes = list(c)
-    for a, b in zip(c[:-1], c[1:]):
+    for a, b in itertools.pairwise(c):
         middle, gap = (a + b) / 2, b - a
         probes += [middle - MARGIN * gap, middle + MARGIN * gap]
     return probes
@@ -57,7 +58,8 @@ def expected_indices(u: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim,kind", [(64, "turbo2"), (64, "turbo4"), (128, "turbo3"), (128, "turbo4")])
 def test_every_cell_and_both_sides_of_every_midpoint(head_dim, kind, dtype):
-    bits, group = RowLayout(kind, head_dim).bits, RowLayout(kind, head_dim).group
+    layout = RowLayout(kind, head_dim)
+    bits, group = layout.bits, layout.group
     u = rows_holding(cell_probes(bits, group), bits, group)  # [R, G] unit rows, rotated domain
     gen = torch.Generator().manual_seed(head_dim + bits)
     u = u[:, torch.randperm(group, generator=gen)]  # probes at every position
