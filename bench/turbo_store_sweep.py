@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.harness import Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms  # noqa: E402
+from bench.harness import (  # noqa: E402
+    BENCHMARKS_DOC, Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms,
+)
 from bench.kernels_turbo import engine_slots  # noqa: E402
 from server.kernels.turbo.format import quantize_reference, unpack_indices  # noqa: E402
 from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
@@ -56,7 +58,8 @@ def check(device) -> list[str]:
             slots[5] = -1  # padding
             store.write(k, v, slots)
             keep = slots >= 0
-            for label, pages, kind, x in (("K", store.k, k_kind, k.float() - store.k_offset), ("V", store.v, v_kind, v)):
+            for label, pages, kind, x in (("K", store.k, k_kind, k.float() - store.k_offset),
+                                          ("V", store.v, v_kind, v)):
                 codes, norms = quantize_reference(x[keep], kind)
                 s = slots[keep]
                 got = unpack_indices(pages.codes[s // PAGE, :, s % PAGE], pages.bits, head_dim)
@@ -104,7 +107,8 @@ def timings(device, copy_gbs: float, before) -> list[Row]:
         dense_ms = time_ms(dense_write, device=device)
         for kind in ("turbo3", "turbo4"):
             store = TurboKVStore(num_pages, PAGE, HEADS, 128, kind, kind, device, torch.bfloat16)
-            moved = 2 * k.numel() * 2 + TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, kind, kind) + slots.numel() * 8
+            pages_bytes = TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, kind, kind)
+            moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8  # bf16 K, V read; pages, slots
             case = f"store {kind}, {TOKENS} tokens x {HEADS} heads, K+V, {pattern}"
             if before is not None:
                 ms = time_ms(lambda _: before(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
@@ -134,7 +138,7 @@ def main() -> int:
     rows = timings(device, copy_gbs, _load_before(args.before) if args.before else None)
     status = "all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {', '.join(failures)}"
     report(f"Turbo store kernel settings ({status})", rows, copy_gbs, command_line("bench/turbo_store_sweep.py", None),
-           device=device, doc_path=None if args.no_record else Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md")
+           device=device, doc_path=None if args.no_record else BENCHMARKS_DOC)
     return 1 if failures else 0
 
 

@@ -1,6 +1,6 @@
 """The store kernel: one launch quantizes a step's new K and V into their turbo pages.
 
-Per (token, KV head) row and per group (format.py): norm n, rotate (rotation.rotate_rows),
+Per (token, KV head) row and per group (format.py): norm n, rotate (rotation.py's butterflies),
 nearest centroid, norm correction n / ||c||, pack (codes.store_indices), and scatter to the
 token's slot. Program axis 1 picks K (0) or V (1), whose kinds may differ. Keys first lose their
 head's offset (TurboKVStore.k_offset): what is quantized is k - m.
@@ -13,7 +13,7 @@ rotation's butterflies are the floor; everything else is kept to a few selects p
   * no division: the rotation is linear, so the unnormalized group is rotated and compared with
     the midpoints scaled by n (one multiply per midpoint and group, not one per value);
   * nearest centroid as a branch-free binary search over the magnitude |y| (the codebook is
-    symmetric, specs/turboquant.md "Codebook"): BITS compares and 2^(BITS-2) - 1 selects, where
+    symmetric, specs/turboquant.md "Codebook"): BITS compares and 2^(BITS-1) - BITS selects, where
     counting all 2^BITS - 1 midpoints took three instructions per midpoint;
   * ||c||^2 sums c^2 picked from the 2^(BITS-1) magnitudes by the search's own bits.
 The result equals quantize_reference up to rounding order (n scales the midpoints instead of
@@ -117,9 +117,9 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
                    STAGES: tl.constexpr):
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
-    # Per program, before the tile loop (the compiler cannot hoist loads past the stores): the sign
-    # patterns of rotation.rotate_rows and the codebook's positive half.
     G2: tl.constexpr = G // 2
+    # Per program, before the tile loop (the compiler cannot hoist loads past the stores): the sign
+    # patterns of rotation.rotate_rows for each half group and the codebook's positive half.
     flip_lo = sign_masks(first_ptr, G2)
     flip_hi = sign_masks(first_ptr + G2 // 32, G2)
     scale_lo = tl.where(sign_masks(second_ptr, G2) != 0, -inv_sqrt, inv_sqrt)
@@ -159,10 +159,15 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
             lo -= tl.load(offset_ptr + obase[:, None] + c, mask=ok[:, None], other=0.0)
             hi -= tl.load(offset_ptr + obase[:, None] + G2 + c, mask=ok[:, None], other=0.0)
         n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
-        lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2, LOG2_G - 1)
-        hi = fwht_rows((hi.to(tl.int32, bitcast=True) ^ flip_hi).to(tl.float32, bitcast=True), ROWS * NG, G2, LOG2_G - 1)
-        y_lo = (lo + hi) * scale_lo  # the last butterfly stage, h = G / 2
+        # rotation.rotate_rows in two halves: y = n * rotate(x / n), the rotation being linear
+        lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2,
+                       LOG2_G - 1)
+        hi = fwht_rows((hi.to(tl.int32, bitcast=True) ^ flip_hi).to(tl.float32, bitcast=True), ROWS * NG, G2,
+                       LOG2_G - 1)
+        y_lo = (lo + hi) * scale_lo  # the last butterfly stage, h = G / 2, as the reference orders it
         y_hi = (lo - hi) * scale_hi
+        # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
+        # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
         zero = tl.where(n > 0, 0.0, float("inf"))
         j, c2_lo = _magnitude_search(tl.abs(y_lo), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
         idx_lo = j ^ tl.where(y_lo >= zero, HALF, HALF - 1)
@@ -187,10 +192,12 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                   K_OFFSET: tl.constexpr, STAGES: tl.constexpr):
     if tl.program_id(1) == 0:
         _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET, STAGES)
+                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET,
+                       STAGES)
     else:
         _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False, STAGES)
+                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False,
+                       STAGES)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
