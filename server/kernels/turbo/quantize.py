@@ -18,7 +18,8 @@ rotation's butterflies are the floor; everything else is kept to a few selects p
   * ||c||^2 sums c^2 picked from the 2^(BITS-1) magnitudes by the search's own bits.
 The result equals quantize_reference up to rounding order (n scales the midpoints instead of
 dividing y; float sums in the butterfly order): a value within an ulp of a midpoint may land on
-the other side, and an exact tie on the negative side goes to the lower index. A zero group
+the other side. An exact tie goes to the upper index on both sides, as the spec rules: below zero
+the upper index is the smaller magnitude, so there |y| is compared one ulp smaller. A zero group
 (n == 0) gets index 0 everywhere and norm 0 like the reference: its sign threshold is +inf.
 """
 
@@ -110,6 +111,14 @@ def _magnitude_search(a, n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, 
 
 
 @triton.jit
+def _tie_magnitude(y):
+    """|y| for the magnitude search, one ulp smaller below zero: there a >= n * p means |y| > n * p, so a
+    value on a negative midpoint keeps the upper index (toward zero), as specs/turboquant.md asks of ties."""
+    a = tl.abs(y)
+    return tl.where(y < 0, (a.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), a)
+
+
+@triton.jit
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr, offset_ptr,
                    first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
@@ -169,9 +178,9 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
         # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
         # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
         zero = tl.where(n > 0, 0.0, float("inf"))
-        j, c2_lo = _magnitude_search(tl.abs(y_lo), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        j, c2_lo = _magnitude_search(_tie_magnitude(y_lo), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
         idx_lo = j ^ tl.where(y_lo >= zero, HALF, HALF - 1)
-        j, c2_hi = _magnitude_search(tl.abs(y_hi), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        j, c2_hi = _magnitude_search(_tie_magnitude(y_hi), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
         idx_hi = j ^ tl.where(y_hi >= zero, HALF, HALF - 1)
         idx = tl.reshape(tl.permute(tl.join(idx_lo, idx_hi), (0, 2, 1)), (ROWS, D))
         row = (slot // PAGE_SIZE * H + rows % H) * PAGE_SIZE + slot % PAGE_SIZE

@@ -98,3 +98,27 @@ def test_a_zero_group_beside_a_nonzero_one_gets_index_and_norm_zero():
         assert norms[:, 0, 0].eq(0).all() and norms[:, 1, 1].eq(0).all(), "a zero group must store norm 0"
         assert norms[:, 0, 1].gt(0).all() and norms[:, 1, 0].gt(0).all()
         assert idx[:, 0, 128:].ne(0).any() and idx[:, 1, :128].ne(0).any()
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_an_exact_tie_goes_to_the_upper_index_on_both_sides(sign):
+    """specs/turboquant.md: a tie goes to the upper index. With G = 64 every step is exact in float32 for this
+    input (dyadic values; 1/sqrt(64) = 1/8; norm 4), so the rotated coordinates land exactly on midpoints
+    +-0.5 * n of a codebook whose midpoints are set to -0.5, 0, 0.5: +0.5 -> index 3, -0.5 -> index 1
+    (toward zero), 0 -> index 2."""
+    import dataclasses
+
+    u = torch.zeros(1, 64, dtype=torch.float64)
+    u[0, [3, 40]] = 0.5 * sign
+    u[0, [10, 50]] = -0.5 * sign
+    x = (4.0 * u) @ rotation_matrix64(64)  # entries 0, +-0.5, +-1: exact
+    store = TurboKVStore(2, PAGE, 1, 64, "turbo2", "turbo2", "cpu", torch.float32)
+    pages = dataclasses.replace(store.k, midpoints=torch.tensor([-0.5, 0.0, 0.5]))
+    slots = torch.tensor([5])
+    k = x.float().reshape(1, 1, 64)
+    store_turbo_triton(k, k, slots, pages, store.v, store.signs, inv_sqrt_group(64))
+    got = unpack_indices(pages.codes[0, 0, 5], 2, 64)
+    want = torch.full((64,), 2, dtype=torch.int32)
+    want[[3, 40]] = 3 if sign > 0 else 1
+    want[[10, 50]] = 1 if sign > 0 else 3
+    assert torch.equal(got.flatten().int(), want), got
