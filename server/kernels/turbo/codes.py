@@ -11,8 +11,7 @@ index < 8 in bits 0-2, bit 3 clear; turbo4: the stored nibbles as they are). The
     same instruction sequence runs on a Triton model of PRMT, so CPU tests cover the layout.
   * float32 (fp32 queries): the nibbles are split out as indices and the codebook's odd
     polynomial evaluated (centroid_by_polynomial).
-The store kernel writes rows with store_indices and finds centroids by a chain of selects
-(centroid_of, exact; its norm correction needs the float32 values).
+The store kernel (quantize.py) writes rows with store_indices.
 """
 
 import functools
@@ -282,15 +281,6 @@ def store_indices(idx, row_ptrs, mask, ROWS: tl.constexpr, D: tl.constexpr, BITS
     else:
         packed = pack_words(idx, ROWS, D, BITS)
         tl.store(words_ptrs[:, None] + tl.arange(0, D * BITS // 32)[None, :], packed, mask=mask[:, None])
-
-
-@triton.jit
-def centroid_of(idx, centroids_ptr, BITS: tl.constexpr):
-    """centroids[idx] as float32, by selects against the 2^BITS codebook scalars."""
-    value = tl.zeros(idx.shape, tl.float32) + tl.load(centroids_ptr)
-    for k in tl.static_range(1, 1 << BITS):
-        value = tl.where(idx == k, tl.load(centroids_ptr + k), value)
-    return value
 
 
 @triton.jit
