@@ -35,9 +35,9 @@ from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
 PAGE, HEADS, TOKENS, CHECK_TOKENS = 16, 8, 32768, 3000
 CHECKS = [(128, "turbo3", "turbo3"), (128, "turbo4", "turbo4"), (64, "turbo2", "turbo4"), (256, "turbo4", "turbo3")]
-SETTINGS = [STORE_LAUNCH, StoreLaunch(rows=32), StoreLaunch(programs_per_sm=2), StoreLaunch(programs_per_sm=8),
+SETTINGS = [STORE_LAUNCH, StoreLaunch(rows=16), StoreLaunch(programs_per_sm=2), StoreLaunch(programs_per_sm=8),
             StoreLaunch(programs_per_sm=1 << 20), StoreLaunch(stages=2), StoreLaunch(stages=3),
-            StoreLaunch(max_registers=128), StoreLaunch(rows=32, stages=2)]  # the first is the default
+            StoreLaunch(max_registers=None), StoreLaunch(rows=32, stages=2)]  # the first is the default
 CHECK_DTYPES = {torch.bfloat16: CHECKS, torch.float16: CHECKS[:1] + CHECKS[-1:]}
 
 
