@@ -178,9 +178,11 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
         # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
         # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
         zero = tl.where(n > 0, 0.0, float("inf"))
-        j, c2_lo = _magnitude_search(_tie_magnitude(y_lo), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        j, c2_lo = _magnitude_search(_tie_magnitude(y_lo), n, p1, p2, p3, p4, p5, p6, p7,
+                                     q0, q1, q2, q3, q4, q5, q6, q7, BITS)
         idx_lo = j ^ tl.where(y_lo >= zero, HALF, HALF - 1)
-        j, c2_hi = _magnitude_search(_tie_magnitude(y_hi), n, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+        j, c2_hi = _magnitude_search(_tie_magnitude(y_hi), n, p1, p2, p3, p4, p5, p6, p7,
+                                     q0, q1, q2, q3, q4, q5, q6, q7, BITS)
         idx_hi = j ^ tl.where(y_hi >= zero, HALF, HALF - 1)
         idx = tl.reshape(tl.permute(tl.join(idx_lo, idx_hi), (0, 2, 1)), (ROWS, D))
         row = (slot // PAGE_SIZE * H + rows % H) * PAGE_SIZE + slot % PAGE_SIZE
