@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from server.kernels.backend import use_triton
 from server.kernels.timing import timed
 
 CHUNK = 2048  # 63 programs a row for a 128K vocabulary: enough SMs reading at batch 1, a short second pass
@@ -43,17 +42,13 @@ def _row_pick_kernel(max_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_PAD: tl.constex
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """x [B, V] -> int64 [B]: the first index of each row's maximum (torch.argmax(x, dim=-1))."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax_rows expects [rows, columns >= 1], got {tuple(x.shape)}")
-    if not use_triton(x) or x.shape[0] == 0:
-        return x.argmax(dim=-1)
-    return argmax_rows_triton(x)
-
-
-def argmax_rows_triton(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     rows, cols = x.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     n_chunks = triton.cdiv(cols, chunk)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.kernels.argmax import argmax_rows
+from server.kernels.backend import use_triton
 from server.runtime.host_copy import to_device
 from server.runtime.sequence import Sequence, TokenLogprob
 
@@ -158,11 +158,21 @@ def _penalty_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device
     return to_device(prompt_mask, device), to_device(output_counts, device), factors[:, 0], factors[:, 1], factors[:, 2]
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1); where Triton runs, the two-pass kernel of server/kernels/argmax.py (imported only there:
+    CPU installs may have no Triton)."""
+    if use_triton(x):
+        from server.kernels.argmax import argmax_rows
+
+        return argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """[B, V] float32 logits -> [B] int64 token ids."""
     if st.penalties is not None:
         logits = apply_penalties(logits, *st.penalties)
-    greedy = argmax_rows(logits)
+    greedy = _argmax(logits)
     if st.all_greedy:
         return greedy
     logits = logits / st.temperature[:, None]
@@ -171,7 +181,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.use_top_k_top_p:
         logits = mask_top_k_top_p(logits, st.top_k, st.top_p)
     probs = torch.softmax(logits, dim=-1)
-    sampled = argmax_rows(probs / exponential_noise(st.keys, logits.shape[1]))
+    sampled = _argmax(probs / exponential_noise(st.keys, logits.shape[1]))
     return torch.where(st.greedy, greedy, sampled)
 
 
