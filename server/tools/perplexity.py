@@ -64,6 +64,16 @@ def split_windows(token_ids: list[int], ctx: int, max_chunks: int | None, bos_to
     return windows
 
 
+def text_windows(tokenizer, text: str, ctx: int, max_chunks: int | None) -> tuple[list[list[int]], int]:
+    """(split_windows of the text's tokens, how many tokens the text has): a tokenizer that adds BOS gets it
+    at the head of every window instead of once at the head of the text."""
+    token_ids = tokenizer.encode(text)
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and len(token_ids) > 0 and token_ids[0] == bos
+    stream = token_ids[1:] if adds_bos else token_ids
+    return split_windows(stream, ctx, max_chunks, bos if adds_bos else None), len(stream)
+
+
 def scored_nlls(prompt_logprobs: list[float | None], ctx: int) -> list[float]:
     """Negative log-likelihoods of the scored (second-half) tokens of one window."""
     if len(prompt_logprobs) != ctx:
@@ -110,11 +120,7 @@ def measure_perplexity(
             f"--ctx {ctx} is above the context the engine serves ({engine.max_model_len} tokens, one of them kept "
             f"for the generated token); use --ctx {engine.max_model_len - 1} or less"
         )
-    token_ids = engine.tokenizer.encode(text)
-    bos = engine.tokenizer.bos_token_id
-    adds_bos = bos is not None and len(token_ids) > 0 and token_ids[0] == bos
-    stream = token_ids[1:] if adds_bos else token_ids
-    windows = split_windows(stream, ctx, max_chunks, bos if adds_bos else None)
+    windows, n_text_tokens = text_windows(engine.tokenizer, text, ctx, max_chunks)
     # One generated token is required by the API; prompt_logprobs are the point of the call.
     params = SamplingParams(max_tokens=1, prompt_logprobs=True, ignore_eos=True)
     chunk_nlls: list[list[float]] = []
@@ -129,14 +135,14 @@ def measure_perplexity(
             raise RuntimeError(f"window {i + 1}: engine failed ({out.finish_reason}): {reason}")
         chunk_nlls.append(scored_nlls(out.prompt_logprobs, ctx))
         if verbose:
-            running = summarize(chunk_nlls, ctx, len(stream)).ppl
+            running = summarize(chunk_nlls, ctx, n_text_tokens).ppl
             chunk_ppl = math.exp(math.fsum(chunk_nlls[-1]) / len(chunk_nlls[-1]))
             bar.update(1)
             bar.set_postfix(ppl=f"{running:.3f}")
             line = f"[{i + 1}/{len(windows)}] chunk PPL {chunk_ppl:.4f}  running PPL {running:.4f}"
             bar.write(line, file=sys.stdout)
     bar.close()
-    return summarize(chunk_nlls, ctx, len(stream))
+    return summarize(chunk_nlls, ctx, n_text_tokens)
 
 
 def format_final_line(result: PerplexityResult) -> str:

@@ -1,0 +1,147 @@
+"""Perplexity of the embedded model with its KV cache passed through the turbo format's reference quantizer,
+under a choice of key offset: how much of the quality loss each offset recovers (CPU; docs/BENCHMARKS.md
+"Quality" quotes it).
+
+    OMP_NUM_THREADS=1 python bench/kv_quality_emulation.py --kinds turbo3,turbo4 --offsets fixed,rope --windows 4
+
+Every K and V the model writes goes into a float32 dense cache as dequantize(quantize(x - o)) + o (format.py's
+reference, specs/turboquant.md), with V's offset 0 and K's offset o one of
+  none   0, the spec's plain format;
+  fixed  the mean post-RoPE key of each (layer, KV head): what the engine's turbo stores subtract
+         (server/runtime/kv_calibration.py);
+  rope   the mean pre-RoPE key turned to each key's position, and the calibration text's own key at
+         position 0 (the attention sink). Not in the engine: its attention would have to add <q, o(p)> for
+         every key, which softmax does not cancel as it cancels the fixed offset's <q, m>.
+Offsets come from one forward over kv_calibration.CALIBRATION_TEXT, as the engine's. Windows and scoring are
+the perplexity tool's (text_windows; the second half of each window scored), so "fixed" reproduces
+`turboserve perplexity --kv-cache-dtype KIND` up to the engine's own arithmetic. Also printed: the mean
+KL(exact model || emulated) over the scored tokens, steadier than perplexity for comparing offsets.
+One sequence per forward, so a token's slot is its position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from server.kernels.paged_kv import AttentionMetadata, DenseKVStore  # noqa: E402
+from server.kernels.turbo.format import dequantize_reference, quantize_reference  # noqa: E402
+from server.runtime.kv_calibration import CALIBRATION_TEXT, mean_keys  # noqa: E402
+from server.runtime.models.loader import load_model  # noqa: E402
+from server.tools.corpus import lee_corpus_path  # noqa: E402
+from server.tools.perplexity import summarize, text_windows  # noqa: E402
+
+PAGE = 16
+
+
+class EmulatedCache:
+    """One layer's float32 dense cache that stores what ``encode(layer, k, v, positions)`` gives back for the
+    K and V it is written, and keeps the last K it was written (for calibration)."""
+
+    def __init__(self, layer: int, tokens: int, kv_heads: int, head_dim: int, encode):
+        self.layer, self.encode, self.page_size = layer, encode, PAGE
+        self.store = DenseKVStore(-(-tokens // PAGE), PAGE, kv_heads, head_dim, torch.float32, "cpu")
+        self.keys = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.keys = k.float()
+        self.store.write(*self.encode(self.layer, self.keys, v.float(), slot_mapping), slot_mapping)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.store.attend(q, meta, scale)
+
+
+@torch.inference_mode()
+def forward(model, tokens: list[int], encode, scored_from: int) -> tuple[torch.Tensor, list[EmulatedCache]]:
+    """(log-probabilities of the next token at positions scored_from .. n - 2, the layers' caches) of one sequence."""
+    cfg, n = model.config, len(tokens)
+    caches = [EmulatedCache(i, n, cfg.num_kv_heads, cfg.head_dim, encode) for i in range(cfg.num_layers)]
+    pages = -(-n // PAGE)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), block_tables=torch.arange(pages, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens_cpu=[n], query_lens_cpu=[n],
+    )  # fmt: skip
+    hidden = model.forward(torch.tensor(tokens), torch.arange(n), caches, meta)
+    return torch.log_softmax(model.compute_logits(hidden[scored_from:-1]), dim=-1), caches
+
+
+def turn(rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] turned by RoPE to ``positions`` [T] (negative: back), without RoPE's attention scaling."""
+    return rotary(positions, x, x)[0] / rotary.attention_scaling
+
+
+def key_offsets(model, tokenizer) -> dict:
+    """offset name -> offset(layer, positions [T]) giving [T, kv_heads, D] (or 0.0)."""
+    cfg = model.config
+    fixed = mean_keys(model, tokenizer.encode(CALIBRATION_TEXT), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                      torch.device("cpu"), torch.float32)  # fmt: skip
+    cal = tokenizer.encode(CALIBRATION_TEXT)
+    _, caches = forward(model, cal, lambda layer, k, v, positions: (k, v), len(cal) - 1)
+    rotary = model.layers[0].self_attn.rotary
+    back = torch.arange(len(cal))
+    pre = [turn(rotary, c.keys, -back)[1:].mean(0) for c in caches]  # the first token is the sink, left out
+    sink = [c.keys[0] for c in caches]
+
+    def rope(layer: int, positions: torch.Tensor) -> torch.Tensor:
+        turned = turn(rotary, pre[layer].expand(len(positions), -1, -1), positions)
+        return torch.where((positions == 0)[:, None, None], sink[layer], turned)
+
+    return {"none": lambda layer, positions: 0.0, "fixed": lambda layer, positions: fixed[layer], "rope": rope}
+
+
+def roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
+    return dequantize_reference(*quantize_reference(x, kind), kind, x.shape[-1])
+
+
+def nll(logp: torch.Tensor, window: list[int], half: int) -> list[float]:
+    """Negative log-likelihoods of the scored tokens from the log-probabilities of positions half .. ctx - 2."""
+    targets = torch.tensor(window[half + 1 :])
+    return (-logp.gather(1, targets[:, None]).squeeze(1)).tolist()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kinds", default="turbo3", type=lambda s: s.split(","), help="e.g. turbo2,turbo3,turbo4")
+    p.add_argument("--offsets", default="none,fixed,rope", type=lambda s: s.split(","))
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--file", type=Path, help="text to score (default: server/tools/corpus.py's corpus)")
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    loaded = load_model(None, torch.device("cpu"), torch.float32)
+    model, tokenizer = loaded.model.eval(), loaded.tokenizer
+    text = (args.file or lee_corpus_path()).read_text()
+    windows, n_text_tokens = text_windows(tokenizer, text, args.ctx, args.windows)
+    offsets = key_offsets(model, tokenizer)
+    half = args.ctx // 2  # scored: tokens half + 1 .. ctx - 1, as the perplexity tool
+    exact = [forward(model, w, lambda layer, k, v, positions: (k, v), half)[0] for w in windows]
+    exact_ppl = summarize([nll(lp, w, half) for lp, w in zip(exact, windows)], args.ctx, n_text_tokens).ppl
+    print(f"exact model (float32 cache): PPL {exact_ppl:.4f}", flush=True)
+    for kind in args.kinds:
+        for name in args.offsets:
+            offset = offsets[name]
+
+            def encode(layer, k, v, positions, kind=kind, offset=offset):
+                o = offset(layer, positions)
+                return roundtrip(k - o, kind) + o, roundtrip(v, kind)
+
+            nlls, kls = [], []
+            for w, ref in zip(windows, exact):
+                logp = forward(model, w, encode, half)[0]
+                nlls.append(nll(logp, w, half))
+                kls.append((ref.exp() * (ref - logp)).sum(-1).mean().item())
+            result = summarize(nlls, args.ctx, n_text_tokens)
+            print(f"{kind} K offset {name:5s}: PPL {result.ppl:.4f} +/- {result.ppl_error:.4f} "
+                  f"({result.ppl / exact_ppl - 1:+.1%}), KL {sum(kls) / len(kls):.4f}, "
+                  f"chunks {' '.join(f'{c:.2f}' for c in result.chunk_ppls)}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
