@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels.experts.moe_triton import block_pairs_and_rows
+
 Q2_BLOCK = tl.constexpr(64)  # weights per q2_0 scale d
 
 
@@ -126,13 +128,9 @@ def _expert_mma(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, w_p
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return  # a padding block past the last expert's pairs
-    pairs = tl.load(pair_ids_ptr + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))
-    pmask = pairs < num_pairs
-    # Padding pairs and surplus rows read real (clamped) data and are dropped at the store.
-    a_rows = (tl.minimum(pairs, num_pairs - 1) // A_ROW_DIV).to(tl.int64)
+    pairs, pmask, a_rows, out_rows, rows = block_pairs_and_rows(pair_ids_ptr, num_pairs, N, A_ROW_DIV, BLOCK_T,
+                                                                BLOCK_N)  # fmt: skip
     a_ptrs = a_ptr + a_rows[:, None] * stride_am
-    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(out_rows, N - 1)
     e64 = expert.to(tl.int64)
     w_e = w_ptr + e64 * stride_we
     d_e = d_ptr + e64 * stride_de

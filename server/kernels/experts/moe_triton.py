@@ -204,6 +204,18 @@ def _finish(acc, acc_r, a_total, rows, scale_ptr, stride_sn, FORMAT: tl.constexp
 
 
 @triton.jit
+def block_pairs_and_rows(pair_ids_ptr, num_pairs, N, A_ROW_DIV: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """(pairs, their mask, activation rows, output rows, clamped weight rows) of program (block, row tile).
+
+    Padding pairs and surplus rows read real (clamped) data and are dropped at the store."""
+    pairs = tl.load(pair_ids_ptr + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))
+    a_rows = (tl.minimum(pairs, num_pairs - 1) // A_ROW_DIV).to(tl.int64)
+    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs < num_pairs, a_rows, out_rows, tl.minimum(out_rows, N - 1)
+
+
+@triton.jit
 def _expert_gemm(a_ptr, a_sum_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr,
                  w_ptr, aux_ptr, scale_ptr, table_ptr, rtable_ptr,
                  N, K, num_pairs, stride_am, stride_sm, stride_om,
@@ -215,14 +227,10 @@ def _expert_gemm(a_ptr, a_sum_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, rout
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return  # a padding block past the last expert's pairs
-    pairs = tl.load(pair_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pmask = pairs < num_pairs
-    # Padding pairs and surplus rows read real (clamped) data and are dropped at the store.
-    a_rows = (tl.minimum(pairs, num_pairs - 1) // A_ROW_DIV).to(tl.int64)
+    pairs, pmask, a_rows, out_rows, rows = block_pairs_and_rows(pair_ids_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M,
+                                                                BLOCK_N)  # fmt: skip
     a_ptrs = a_ptr + a_rows[:, None] * stride_am
     sum_ptrs = a_sum_ptr + a_rows * stride_sm
-    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(out_rows, N - 1)
     e64 = expert.to(tl.int64)
     w_e = w_ptr + e64 * stride_we
     x_e = aux_ptr + e64 * stride_xe
