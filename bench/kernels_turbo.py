@@ -117,20 +117,29 @@ def check_correctness(device: torch.device) -> list[str]:
     return failures
 
 
-def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
-    """One row per (block_n, num_warps) config of our decode on random pages of this shape."""
+def random_decode_inputs(batch: int, ctx: int, q_heads: int, kind: str, device):
+    """(store, metas, qs, compressed bytes): enough independent (q, block table) inputs over one store of random
+    pages to rotate past L2; every byte is a valid code, norms around a realistic size, pages shuffled."""
     layout = RowLayout(kind, HEAD_DIM)
     pages_per_seq = ctx // PAGE
     turbo_bytes = batch * ctx * KV_HEADS * 2 * layout.bytes_per_head
     n_inputs = rotation_count(turbo_bytes, device)
     num_pages = n_inputs * batch * pages_per_seq
     store = TurboKVStore(1, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
-    for pages in (store.k, store.v):  # random bytes are valid codes; norms around a realistic size
-        pages.codes = torch.randint(0, 256, (num_pages, KV_HEADS, PAGE, layout.row_bytes), dtype=torch.uint8, device=device)
+    for pages in (store.k, store.v):
+        pages.codes = torch.randint(0, 256, (num_pages, KV_HEADS, PAGE, layout.row_bytes), dtype=torch.uint8,
+                                    device=device)  # fmt: skip
         pages.norms = (torch.rand(num_pages, KV_HEADS, PAGE, 1, device=device) * 4 + 8).half()
     perm = torch.randperm(num_pages, device=device).int().reshape(n_inputs, batch, pages_per_seq)
     metas = [_meta([ctx] * batch, perm[i].contiguous()) for i in range(n_inputs)]
-    qs = [torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
+    qs = [torch.randn(batch, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
+    return store, metas, qs, turbo_bytes
+
+
+def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
+    """One row per (block_n, num_warps) config of our decode on random pages of this shape."""
+    store, metas, qs, turbo_bytes = random_decode_inputs(batch, ctx, Q_HEADS, kind, device)
+    n_inputs = len(qs)
     scale = HEAD_DIM**-0.5
 
     def ours(i, config):
@@ -151,14 +160,15 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
     return rows
 
 
-def _sdpa_ms(batch: int, ctx: int, device) -> float:
+def sdpa_ms(batch: int, ctx: int, q_heads: int, device) -> float:
+    """bf16 SDPA (flash) decode over contiguous K/V of the same shape: the baseline."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     bf16_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
     n_inputs = rotation_count(bf16_bytes, device)
     kvs = [(torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16),
             torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16)) for _ in range(n_inputs)]
-    q = torch.randn(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    q = torch.randn(batch, KV_HEADS, q_heads // KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         ms = time_ms(lambda i: F.scaled_dot_product_attention(q, *kvs[i]), n_inputs=n_inputs, device=device)
     del kvs
@@ -215,7 +225,7 @@ def run(device: torch.device, copy_gbs: float) -> tuple[str, list[Row]]:
     rows = list(sweep_rows)
     for batch in BATCHES:
         for ctx in CONTEXTS:
-            sdpa = _sdpa_ms(batch, ctx, device)
+            sdpa = sdpa_ms(batch, ctx, Q_HEADS, device)
             for kind in ("turbo3", "turbo4"):
                 (row,) = _decode_case(batch, ctx, kind, device, [DEFAULT])
                 row.baseline_ms, row.baseline_name = sdpa, "bf16 SDPA (flash)"

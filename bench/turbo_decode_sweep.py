@@ -20,16 +20,14 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import kernels_turbo
-from bench.harness import require_gpu, rotation_count, time_ms
+from bench.harness import require_gpu, time_ms
 from server.kernels.turbo import attention
 from server.kernels.turbo.attention import (
     attention_over_decoded_pages,
     decode_attention_triton,
 )
-from server.kernels.turbo.format import RowLayout
-from server.kernels.turbo.store import TurboKVStore
 
-PAGE, KV_HEADS, HEAD_DIM = 16, 8, 128
+KV_HEADS, HEAD_DIM = kernels_turbo.KV_HEADS, kernels_turbo.HEAD_DIM  # the shapes random_decode_inputs builds
 # (block_n, num_warps, max registers, pipeline stages, column order of the decoded tiles); None: the
 # compiler's choice, {}: the decode's natural column order. The first two run at every split count of a
 # shape, the others at the rule's count only.
@@ -68,36 +66,6 @@ def _check_settings(device) -> list[str]:
     return failures
 
 
-def _random_inputs(batch, ctx, q_heads, kind, device):
-    """n_inputs independent (q, meta) over one store of random pages (every byte is a valid code)."""
-    layout = RowLayout(kind, HEAD_DIM)
-    pages_per_seq = ctx // PAGE
-    turbo_bytes = batch * ctx * KV_HEADS * 2 * layout.bytes_per_head
-    n_inputs = rotation_count(turbo_bytes, device)
-    num_pages = n_inputs * batch * pages_per_seq
-    store = TurboKVStore(1, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
-    for pages in (store.k, store.v):
-        pages.codes = torch.randint(0, 256, (num_pages, KV_HEADS, PAGE, layout.row_bytes), dtype=torch.uint8,
-                                    device=device)
-        pages.norms = (torch.rand(num_pages, KV_HEADS, PAGE, 1, device=device) * 4 + 8).half()
-    perm = torch.randperm(num_pages, device=device).int().reshape(n_inputs, batch, pages_per_seq)
-    metas = [kernels_turbo._meta([ctx] * batch, perm[i].contiguous()) for i in range(n_inputs)]
-    qs = [torch.randn(batch, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
-    return store, metas, qs, turbo_bytes
-
-
-def _sdpa_ms(batch, ctx, q_heads, device) -> float:
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    n_inputs = rotation_count(batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2, device)
-    kvs = [(torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16),
-            torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=device, dtype=torch.bfloat16)) for _ in range(n_inputs)]
-    q = torch.randn(batch, KV_HEADS, q_heads // KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return time_ms(lambda i: F.scaled_dot_product_attention(q, *kvs[i]), n_inputs=n_inputs, device=device)
-
-
 def _merge_only_ms(store, metas, qs, splits, device) -> float:
     """The merge launch alone, on partial results of the real decode's shape."""
     q = qs[0]
@@ -120,9 +88,9 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
 
 
 def _sweep_shape(batch, ctx, q_heads, split_list, kind, settings, device) -> None:
-    sdpa = _sdpa_ms(batch, ctx, q_heads, device)
+    sdpa = kernels_turbo.sdpa_ms(batch, ctx, q_heads, device)
     torch.cuda.empty_cache()
-    store, metas, qs, turbo_bytes = _random_inputs(batch, ctx, q_heads, kind, device)
+    store, metas, qs, turbo_bytes = kernels_turbo.random_decode_inputs(batch, ctx, q_heads, kind, device)
     scale = HEAD_DIM**-0.5
     label = f"{kind} b{batch} ctx{ctx // 1024}K {q_heads}q/{KV_HEADS}kv"
     print(f"{label}: bf16 SDPA {sdpa:.4f} ms", flush=True)
@@ -149,7 +117,7 @@ def _sweep_shape(batch, ctx, q_heads, split_list, kind, settings, device) -> Non
 def main() -> int:
     device = require_gpu()
     if "--ncu" in sys.argv:  # two launches each of the first two settings, for a profiler to read
-        store, metas, qs, _ = _random_inputs(8, 65536, 32, "turbo3", device)
+        store, metas, qs, _ = kernels_turbo.random_decode_inputs(8, 65536, 32, "turbo3", device)
         for i, (block_n, num_warps, max_registers, num_stages, column_order) in enumerate(2 * SETTINGS[:2]):
             decode_attention_triton(qs[i % len(qs)], store.k, store.v, metas[i % len(qs)], HEAD_DIM**-0.5, store.signs,
                                     store.inv_sqrt, block_n=block_n, num_warps=num_warps, max_registers=max_registers,
