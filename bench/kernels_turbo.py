@@ -97,15 +97,7 @@ def check_correctness(device: torch.device) -> list[str]:
         store, tables, kv = _filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen)
         k, v, slots = kv[0]
         for label, pages, kind, src in (("K", store.k, k_kind, k), ("V", store.v, v_kind, v)):
-            codes, norms = quantize_reference(src, kind)
-            got = unpack_indices(pages.codes[slots // PAGE, :, slots % PAGE], pages.bits, head_dim)
-            want = unpack_indices(codes, pages.bits, head_dim)
-            mism = (got != want).float().mean().item()
-            # An index that moved across a midpoint (float sums in another order) changes ||c||
-            # and so that group's norm; compare norms where every index of the group agrees.
-            same = (got == want).reshape(*got.shape[:-1], norms.shape[-1], -1).all(-1)
-            got_norms = pages.norms[slots // PAGE, :, slots % PAGE].float()
-            nerr = ((got_norms - norms.float()).abs() / norms.float().clamp_min(1e-6))[same].max().item()
+            mism, nerr = store_errors(pages, kind, src, slots)
             verdict(f"store {label} {name}", mism < 1e-3 and nerr < 2e-3, f"index mismatch {mism:.2e}, norm rel err {nerr:.2e}")
         meta = _meta(lens, tables)
         q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
@@ -115,6 +107,20 @@ def check_correctness(device: torch.device) -> list[str]:
         err = (fused - reference).abs().max().item() / reference.abs().max().item()
         verdict(f"decode {name}", err < 2e-2, f"max |fused - reference| / max |reference| = {err:.2e}")
     return failures
+
+
+def store_errors(pages, kind: str, x: torch.Tensor, slots: torch.Tensor) -> tuple[float, float]:
+    """(share of indices that differ from quantize_reference(x), largest norm relative error) of what the store
+    wrote at ``slots``. An index that moved across a midpoint (float sums in another order) changes ||c|| and so
+    that group's norm: norms are compared where every index of the group agrees."""
+    head_dim, page = x.shape[-1], pages.codes.shape[2]
+    codes, norms = quantize_reference(x, kind)
+    got = unpack_indices(pages.codes[slots // page, :, slots % page], pages.bits, head_dim)
+    want = unpack_indices(codes, pages.bits, head_dim)
+    same = (got == want).reshape(*got.shape[:-1], norms.shape[-1], -1).all(-1)
+    got_norms = pages.norms[slots // page, :, slots % page].float()
+    rel = ((got_norms - norms.float()).abs() / norms.float().clamp_min(1e-6))[same]
+    return (got != want).float().mean().item(), rel.max().item() if rel.numel() else float("inf")
 
 
 def random_decode_inputs(batch: int, ctx: int, q_heads: int, kind: str, device):

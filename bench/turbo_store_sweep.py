@@ -28,8 +28,7 @@ import torch  # noqa: E402
 from bench.harness import (  # noqa: E402
     BENCHMARKS_DOC, Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms,
 )
-from bench.kernels_turbo import engine_slots  # noqa: E402
-from server.kernels.turbo.format import quantize_reference, unpack_indices  # noqa: E402
+from bench.kernels_turbo import engine_slots, store_errors  # noqa: E402
 from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
@@ -60,14 +59,8 @@ def check(device) -> list[str]:
             keep = slots >= 0
             for label, pages, kind, x in (("K", store.k, k_kind, k.float() - store.k_offset),
                                           ("V", store.v, v_kind, v)):
-                codes, norms = quantize_reference(x[keep], kind)
                 s = slots[keep]
-                got = unpack_indices(pages.codes[s // PAGE, :, s % PAGE], pages.bits, head_dim)
-                want = unpack_indices(codes, pages.bits, head_dim)
-                mism = (got != want).float().mean().item()
-                same = (got == want).reshape(*got.shape[:-1], norms.shape[-1], -1).all(-1)
-                got_norms = pages.norms[s // PAGE, :, s % PAGE].float()
-                rel = ((got_norms - norms.float()).abs() / norms.float().clamp_min(1e-6))[same].max().item()
+                mism, rel = store_errors(pages, kind, x[keep], s)
                 written = torch.zeros(pages.codes.shape[0] * PAGE, dtype=torch.bool, device=device)
                 written[s] = True
                 untouched = pages.codes.transpose(1, 2).reshape(-1, pages.codes.shape[1] * pages.codes.shape[3])
