@@ -192,8 +192,10 @@ def prefill_tokens_per_s(engine: Engine, length: int, vocab: int) -> float:
 
 
 def transformers_tokens_per_s(cfg: ModelConfig, device: torch.device, batch: int, prompt_len: int,
-                              new_tokens: int, compile: bool) -> dict[str, float]:
-    """transformers generate() with a static cache (compiled on CUDA), timed like our engine."""
+                              new_tokens: int) -> dict[str, float]:
+    """transformers generate() with a static cache, timed like our engine. On CUDA generate() compiles its decode
+    forward itself for a static cache (CUDA graphs, "reduce-overhead"); compiling model.forward on top of that
+    replays graphs whose outputs the cache update has overwritten (transformers 5.17)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(
@@ -204,8 +206,6 @@ def transformers_tokens_per_s(cfg: ModelConfig, device: torch.device, batch: int
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16).eval()
-    if compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
 
     def generate(n: int) -> float:
@@ -235,8 +235,7 @@ def bench_shape(name: str, args, device: torch.device, copy_gbs: float, lines: l
             ours = decode_tokens_per_s(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size)
             row = f"| {name} | decode b{batch}{graph_note(engine)} | {ours:,.0f} tok/s"
             if args.transformers:
-                hf = transformers_tokens_per_s(cfg, device, batch, args.prompt_len, args.new_tokens,
-                                               compile=device.type == "cuda")["decode"]  # fmt: skip
+                hf = transformers_tokens_per_s(cfg, device, batch, args.prompt_len, args.new_tokens)["decode"]
                 row += f" | {hf:,.0f} (measured here) | {ours / hf:.2f}x"
             elif (name, batch) in QUOTED_TRANSFORMERS:
                 hf = QUOTED_TRANSFORMERS[(name, batch)]
