@@ -15,7 +15,9 @@ time them on the same inputs.
 
 The full run also prints two sweeps that inform the launch choices: GEMM-body decode tiles
 (moe._tile_shape) and GEMV pipeline depth / rows per program (moe.gemv_stages, moe.GEMV_BLOCK_N);
-EXPERTS_SWEEP_MMA=1 adds the q2_0 tensor-core body's tiles (moe.mma_*) to any run.
+EXPERTS_SWEEP_MMA=1 adds the q2_0 tensor-core body's tiles (moe.mma_*) to any run, EXPERTS_SWEEP_SPLIT=1 its
+split-K targets (moe.mma_split_programs). Both lists start with routing.align_pairs: the device kernel against
+the torch version (element-for-element check, then device time per call and host time per call).
 
 EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a minute plus
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
@@ -24,7 +26,9 @@ q2_0 and q1_0, no tile sweep, no prefill.
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 import traceback
 
 import torch
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from bench.harness import Row, time_ms
 from server.kernels.experts import moe
 from server.kernels.experts.moe_reference import fused_moe_reference
-from server.kernels.experts.routing import align_pairs, single_pair_blocks
+from server.kernels.experts.routing import align_pairs, align_pairs_reference, align_pairs_triton, single_pair_blocks
 from server.kernels.experts.weights import ExpertWeights, random_signs, rotation_group
 
 FORMATS = ("e8p", "e8p3", "q2_0", "q1_0")
@@ -317,14 +321,17 @@ def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -
 
 def check_mma(device) -> list[str]:
     """The q2_0 tensor-core body (inline assembly, fp16 and bf16) against the float32 reference at the deep
-    widths, 1 to 8 tokens (forced below moe.MMA_MIN_PAIRS); raises on mismatch."""
+    widths, 1 to 8 tokens (forced below moe.MMA_MIN_PAIRS), whole K and split K (one slice per K step);
+    raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(6)
     lines = []
     gu = random_weights("q2_0", 64, 2 * 2048, 6144, device, gen)
     dn = random_weights("q2_0", 64, 6144, 2048, device, gen)
-    saved, moe.MMA_MIN_PAIRS = moe.MMA_MIN_PAIRS, 1
+    saved = moe.MMA_MIN_PAIRS, moe.mma_split_programs
+    moe.MMA_MIN_PAIRS = 1
     try:
-        for dtype, bound in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        for (dtype, bound), split in itertools.product(((torch.bfloat16, 1e-2), (torch.float16, 2e-3)), (0, 1 << 20)):
+            moe.mma_split_programs = split
             for tokens in (1, 3, 8):
                 x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
                 ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
@@ -334,21 +341,118 @@ def check_mma(device) -> list[str]:
                 out = torch.full((tokens, 6144), float("nan"), device=device)
                 out.copy_(moe.fused_moe_triton(x, w.to(dtype), ids, gu, dn, gemv=True).float())
                 err = ((out - ref).norm() / ref.norm()).item()
-                lines.append(f"q2_0 MMA body {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
+                split_k = ", split K" if split else ""
+                lines.append(f"q2_0 MMA body{split_k} {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
                 if not err < bound:
                     raise AssertionError(f"tensor-core q2_0 body disagrees with the reference: {lines[-1]}")
     finally:
-        moe.MMA_MIN_PAIRS = saved
+        moe.MMA_MIN_PAIRS, moe.mma_split_programs = saved
     return lines
 
 
+def sweep_mma_split(device, copy_gbs: float, targets=(0, 512, 1024, 2048)) -> int:
+    """Print kernel-only times of the q2_0 tensor-core body for split-K targets (moe.mma_split_programs; 0 = whole
+    K) at deep T=1 and T=8 and Mixtral T=1, beside the GEMV body on the same inputs; leaves moe.mma_split_programs
+    at the fastest target over the deep cases (so the rows measured after it use it) and returns it."""
+    gen = torch.Generator(device=device).manual_seed(7)
+    totals = dict.fromkeys(targets, 0.0)
+    saved = moe.mma_split_programs
+    for shape, label, tokens in ((DEEP, "deep", 1), (DEEP, "deep", 8), (MIXTRAL, "mixtral", 1)):
+        gu = random_weights("q2_0", shape["experts"], 2 * shape["i"], shape["d"], device, gen)
+        dn = random_weights("q2_0", shape["experts"], shape["d"], shape["i"], device, gen)
+        sets, n_sets, m = _decode_inputs(shape, tokens, device, gen)
+        nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+        for body, target in [("gemv", None)] + [("mma", t) for t in targets]:
+            moe.mma_split_programs = saved if target is None else target
+            kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
+            ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+            if target is not None and label == "deep":
+                totals[target] += ms
+            gbs = nbytes / ms / 1e6
+            print(f"sweep split {label} q2_0 T={tokens} {body} mma_split_programs={target}: {ms * 1e3:.1f} us, "
+                  f"{gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy", flush=True)
+    best = min(totals, key=totals.get)
+    moe.mma_split_programs = best
+    print(f"sweep split: fastest over deep T=1 and T=8: mma_split_programs={best}; the rows below use it", flush=True)
+    return best
+
+
+# (experts, tokens, pairs per block) at top-8: decode (moe.DECODE_BLOCK_M) and prefill (PREFILL_BLOCK_M) sizes.
+ROUTING_SHAPES = ((64, 1, 16), (128, 1, 16), (64, 8, 16), (128, 8, 16), (64, 512, 64), (128, 512, 64),
+                  (64, 4096, 64), (128, 4096, 64))
+
+
+def _top8(experts: int, tokens: int, kind: str, gen, device) -> torch.Tensor:
+    """Router-like ids (distinct experts per token), ids with repeats, or skewed ids (most pairs on 2 experts)."""
+    if kind == "distinct":
+        return torch.rand((tokens, experts), generator=gen, device=device).topk(8, 1).indices
+    ids = torch.randint(0, experts, (tokens, 8), generator=gen, device=device)
+    if kind == "skewed":
+        ids = torch.where(ids < experts // 2, 3, ids % 2 + experts - 2)
+    return ids
+
+
+def check_routing(device) -> list[str]:
+    """routing.align_pairs_triton against align_pairs_reference, element for element, at ROUTING_SHAPES for
+    router-like, repeating and skewed ids; raises on the first difference."""
+    gen = torch.Generator(device=device).manual_seed(8)
+    lines = []
+    for experts, tokens, block_m in ROUTING_SHAPES:
+        for kind, _ in itertools.product(("distinct", "repeats", "skewed"), range(3)):
+            ids = _top8(experts, tokens, kind, gen, device)
+            want = align_pairs_reference(ids, experts, block_m)
+            # Freed blocks of the outputs' sizes hold a value no output has, so an element the kernel never
+            # writes cannot pass by holding a previous call's value (the caching allocator reuses them).
+            poison = [torch.full_like(want.pair_ids, -7), torch.full_like(want.block_expert, -7)]
+            del poison
+            got = align_pairs_triton(ids, experts, block_m)
+            for name in ("pair_ids", "block_expert"):
+                if not torch.equal(getattr(got, name), getattr(want, name)):
+                    raise AssertionError(f"align_pairs kernel differs from the torch version in {name} at E={experts} "
+                                         f"T={tokens} block_m={block_m} {kind} ids")
+        lines.append(f"align_pairs E={experts} T={tokens} block_m={block_m}: equal to the torch version "
+                     f"(3 x router-like, repeating, skewed ids)")
+    return lines
+
+
+def _host_us(fn, device, calls: int = 50) -> tuple[float, float]:
+    """(host microseconds to issue one call, wall microseconds per call with the device synchronized around)."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def routing_rows(device) -> list[Row]:
+    """align_pairs, device kernel (ours) against the torch version: device time per call (events), host time."""
+    gen = torch.Generator(device=device).manual_seed(9)
+    rows = []
+    for experts, tokens, block_m in ROUTING_SHAPES:
+        ids = _top8(experts, tokens, "distinct", gen, device)
+        ours = time_ms(lambda _: align_pairs_triton(ids, experts, block_m), device=device)
+        base = time_ms(lambda _: align_pairs_reference(ids, experts, block_m), device=device)
+        host = [_host_us(lambda f=f: f(ids, experts, block_m), device)
+                for f in (align_pairs_triton, align_pairs_reference)]
+        rows.append(Row(f"align_pairs E={experts} top8 T={tokens} block_m={block_m}", ours, base, None,
+                        "torch align_pairs", f"host issue / synced wall per call: {host[0][0]:.0f} / {host[0][1]:.0f} "
+                        f"us (torch {host[1][0]:.0f} / {host[1][1]:.0f} us)"))
+    return rows
+
+
 def run(device: torch.device, copy_gbs: float):
-    for line in check_correctness(device) + check_mma(device):
+    for line in check_routing(device) + check_correctness(device) + check_mma(device):
         print("correctness:", line, flush=True)
     if os.environ.get("EXPERTS_SWEEP_MMA") == "1":
         sweep_mma(device, copy_gbs)
+    if os.environ.get("EXPERTS_SWEEP_SPLIT") == "1":
+        sweep_mma_split(device, copy_gbs)
     if QUICK:
-        sections = (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 8), copy_gbs, device),
+        sections = (lambda: routing_rows(device),
+                    lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 8), copy_gbs, device),
                     lambda: _decode_rows(MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,), copy_gbs, device))
     else:
         try:
@@ -356,7 +460,8 @@ def run(device: torch.device, copy_gbs: float):
             sweep_gemv(device)
         except Exception:  # noqa: BLE001 - informative only
             traceback.print_exc()
-        sections = (lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 4, 8, 32), copy_gbs, device),
+        sections = (lambda: routing_rows(device),
+                    lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 4, 8, 32), copy_gbs, device),
                     lambda: _decode_rows(MIXTRAL, "mixtral D4096 I14336 E8 top2", (1, 4, 8, 32), copy_gbs, device),
                     lambda: _prefill_rows(copy_gbs, device))
     rows = []

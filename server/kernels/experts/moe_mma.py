@@ -163,7 +163,7 @@ def _expert_mma(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, w_p
 @triton.jit
 def _sum_splits(part_ptr, out_ptr, N, SPLITS, stride_ps, stride_pm, stride_om, DUAL: tl.constexpr,
                 BLOCK: tl.constexpr):
-    """out[p, n] = Σ_s part[s, p, n] (DUAL: silu of that sum times Σ_s part[s, p, N + n]) for row p = program_id(0)."""
+    """out[p, n] = Σ_s part[s, p, n] (DUAL: silu of that sum times Σ_s part[s, p, N + n]), p = program_id(0)."""
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     row = part_ptr + tl.program_id(0).to(tl.int64) * stride_pm + cols
