@@ -117,6 +117,44 @@ def _tile(codes, row, valid, norm, table_ptr, poly_ptr, BLOCK: tl.constexpr, D: 
 
 
 @triton.jit
+def _query_rows(N: tl.constexpr, H: tl.constexpr):
+    """(holds a head, which head) for the N rows of the padded query tile when the softmax keeps H columns.
+
+    The mma's N side keeps column bit 0 and the highest column bit in each thread's registers, so
+    the softmax can drop them for free (_real_columns) when the heads sit in rows with those bits 0:
+    H = N / 2 uses rows 0 .. N/2 - 1, H = N / 4 the even ones among them.
+    """
+    r = tl.arange(0, N)
+    if H <= N // 4:
+        real = (r < N // 2) & (r % 2 == 0)
+        head = r // 2
+    else:
+        real = r < H
+        head = r
+    return real, head
+
+
+@triton.jit
+def _real_columns(x, ROWS: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """[ROWS, N] -> [ROWS, H]: the columns that hold query heads (_query_rows); register moves only."""
+    if H <= N // 2:  # drop the highest column bit
+        x, _ = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, N // 2)), (0, 2, 1)))
+    if H <= N // 4:  # drop column bit 0
+        x, _ = tl.split(tl.reshape(x, (ROWS, N // 4, 2)))
+    return x
+
+
+@triton.jit
+def _padded_columns(x, ROWS: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """[ROWS, H] -> [ROWS, N] with zeros in the padding columns (inverse of _real_columns)."""
+    if H <= N // 4:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), (ROWS, N // 2))
+    if H <= N // 2:
+        x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (0, 2, 1)), (ROWS, N))
+    return x
+
+
+@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
                    inv_sqrt, qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
@@ -134,18 +172,20 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
     end = tl.minimum(start + chunk, seq_len)
 
     if start < seq_len:  # splits past the end (short rows, seq_len-0 padding) do nothing; merge skips them
-        g = tl.arange(0, GQA_PAD)
-        heads = kv_head * GQA + g
+        # The softmax runs over the H <= GQA_PAD columns that can hold heads (_query_rows): 4 for GQA <= 4,
+        # 8 for GQA <= 8: 2-4x less exp/max/rescale work per step than over the padded tile.
+        H: tl.constexpr = GQA_PAD if 2 * GQA > GQA_PAD else (GQA_PAD // 2 if 4 * GQA > GQA_PAD else GQA_PAD // 4)
+        real, g = _query_rows(GQA_PAD, H)
         q_row = tl.load(q_start_ptr + seq).to(tl.int64)
-        q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + tl.arange(0, D)[None, :],
-                    mask=(g < GQA)[:, None], other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + q_row * q_stride_t + (kv_head * GQA + g)[:, None] * q_stride_h + tl.arange(0, D)[None, :],
+                    mask=(real & (g < GQA))[:, None], other=0.0).to(tl.float32)
         q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
         q = (tl.reshape(q, (GQA_PAD, D)) * qk_scale).to(OP)
         q = _permute_columns(q, GQA_PAD, D, K_ORDER)  # K's column order (see _permute_columns)
 
-        m = tl.full((GQA_PAD,), float("-inf"), tl.float32)
-        l = tl.zeros((GQA_PAD, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
-        acc = tl.zeros((GQA_PAD, D), tl.float32)
+        m = tl.full((H,), float("-inf"), tl.float32)
+        l = tl.zeros((H, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
+        acc_t = tl.zeros((D, H), tl.float32)
         # Norms are 2-byte loads, too narrow for the pipeliner's cp.async: load each block's one
         # step ahead (with its page-table entries) so their latency hides behind a whole step.
         valid, row, k_norm, v_norm = _block_rows(start, end, seq, kv_head, tables_ptr, tables_stride, k_norms,
@@ -157,7 +197,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
             # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
             # (SASS main loop 1670 -> 1439 instructions at 64 tokens / 4 warps).
-            scores = tl.trans(tl.dot(k, tl.trans(q)))
+            scores = tl.trans(_real_columns(tl.dot(k, tl.trans(q)), BLOCK, GQA_PAD, H))
             if NG == 1:
                 scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -168,17 +208,19 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             l = l * alpha[:, None] + p
             if NG == 1:  # fold the value norms into the probabilities
                 p = p * tl.reshape(v_norm, (BLOCK,))[None, :]
+            p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)
 
             v = _tile(v_codes, row, valid, v_norm, v_table, v_poly, BLOCK, D, G, V_BITS, F16, ASM, V_ORDER)
-            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(OP))))
+            acc_t = acc_t * alpha[None, :] + _real_columns(tl.dot(tl.trans(v), p), D, GQA_PAD, H)
             m = m_new
             valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
 
-        acc = _permute_columns(acc, GQA_PAD, D, V_UNDO)  # back from V's column order
-        part = (seq * (H_KV * GQA) + heads) * num_splits + split
-        tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(g < GQA)[:, None])
-        tl.store(part_m_ptr + part, m, mask=g < GQA)
-        tl.store(part_l_ptr + part, tl.sum(l, axis=1), mask=g < GQA)
+        acc = _permute_columns(tl.trans(acc_t), H, D, V_UNDO)  # back from V's column order
+        h = tl.arange(0, H)
+        part = (seq * (H_KV * GQA) + kv_head * GQA + h) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(h < GQA)[:, None])
+        tl.store(part_m_ptr + part, m, mask=h < GQA)
+        tl.store(part_l_ptr + part, tl.sum(l, axis=1), mask=h < GQA)
 
 
 @triton.jit
