@@ -1,12 +1,12 @@
-"""GPU sweep of the turbo decode kernel's launch settings: `python bench/turbo_decode_sweep.py [--ncu]`.
+"""GPU sweep of the turbo decode kernel's launch settings: `python bench/turbo_decode_sweep.py [--default-only] [--ncu]`.
 
-Correctness first (every swept launch setting against decode-then-attend in bf16, real K/V written
-by the store kernel; `python bench/kernels.py turbo` checks the rest), then our decode against bf16 SDPA at the shapes the targets
-name: batch 8 at 64K and 16K and batch 1 at 64K with 32 query / 8 KV heads, and batch 1 at 64K with
-16 query / 8 KV heads (GQA 2, the end-to-end case). Per shape: each launch setting of SETTINGS at
-each split count of the shape's list (None: choose_splits), and the merge alone.
-Prints only; the recorded table comes from `python bench/kernels.py turbo` at the settings this
-sweep picks. ``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
+Correctness first (the swept launch settings against decode-then-attend in bf16, real K/V written by the
+store kernel), then our decode against bf16 SDPA at the shapes the targets name: batch 8 at 64K and 16K and
+batch 1 at 64K with 32 query / 8 KV heads, and batch 1 at 64K with 16 query / 8 KV heads (GQA 2, the
+end-to-end case). Per shape: each launch setting of SETTINGS at choose_splits' count and at the counts that
+give its programs-per-SM targets, and the merge alone. ``--default-only`` runs the first setting alone (to
+compare two trees). Prints only; the recorded table comes from `python bench/kernels.py turbo`.
+``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
 """
 
 from __future__ import annotations
@@ -28,38 +28,48 @@ from server.kernels.turbo.attention import (
 )
 
 KV_HEADS, HEAD_DIM = kernels_turbo.KV_HEADS, kernels_turbo.HEAD_DIM  # the shapes random_decode_inputs builds
-# (block_n, num_warps, max registers, pipeline stages, column order of the decoded tiles); None: the
-# compiler's choice, {}: the decode's natural column order. The first two run at every split count of a
-# shape, the others at the rule's count only.
-SETTINGS = ((64, 4, 128, None, attention.COLUMN_ORDER), (64, 4, None, None, attention.COLUMN_ORDER),
-            (64, 4, 128, None, {}))
-SHAPES = (  # batch, context, query heads, split counts to try
-    (8, 65536, 32, (None, 16, 33)),
-    (8, 16384, 32, (None, 16, 33)),
-    (1, 65536, 32, (None, 33, 132)),
-    (1, 65536, 16, (None, 33, 132)),
+# (block_n, num_warps, max registers, pipeline stages) and the programs per SM to size the splits for, besides
+# choose_splits' count; None: the compiler's choice. Residency from the offline sm_90 build (bench/turbo_sass.py):
+# 64/4 at 128 / 96 / 80 registers holds 4 / 5 / 6 programs per SM (35 KB shared each); 16/1 (one warp, mma.sync)
+# about 20 one-warp programs (10 KB shared each) at 96 or 80 registers.
+SETTINGS = (
+    ((64, 4, 128, None), (8,)),
+    ((64, 4, 96, None), (5, 10)),
+    ((64, 4, 80, None), (6, 12)),
+    ((16, 1, 96, 2), (20, 40)),
+    ((16, 1, 80, 2), (20, 40)),
 )
+SHAPES = ((8, 65536, 32), (8, 16384, 32), (1, 65536, 32), (1, 65536, 16))  # batch, context, query heads
 
 
-def _check_settings(device) -> list[str]:
+def _launch(setting) -> dict:
+    block_n, num_warps, max_registers, num_stages = setting
+    return dict(block_n=block_n, num_warps=num_warps, max_registers=max_registers, num_stages=num_stages)
+
+
+def _split_counts(programs_per_sm, batch, ctx, block_n, device) -> list:
+    """None (choose_splits) and the split counts that give each target number of programs per SM."""
+    sms, rows = torch.cuda.get_device_properties(device).multi_processor_count, batch * KV_HEADS
+    counts = [max(1, min(ctx // block_n, round(p * sms / rows))) for p in programs_per_sm]
+    return [None] + sorted(set(counts))
+
+
+def _check_settings(device, settings) -> list[str]:
     """Every swept setting (and a split count) vs decode-then-attend, bf16, real K/V from the store kernel."""
     gen = torch.Generator().manual_seed(1)
     failures = []
-    for head_dim, gqa, k_kind, v_kind, lens in kernels_turbo.CHECK_CASES[:2]:
+    for case, (head_dim, gqa, k_kind, v_kind, lens) in enumerate(kernels_turbo.CHECK_CASES):
         store, tables, _ = kernels_turbo._filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen)
         meta = kernels_turbo._meta(lens, tables)
         q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
         scale = head_dim**-0.5
         reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale).float()
-        for block_n, num_warps, max_registers, num_stages, column_order in SETTINGS:
+        for setting, _ in settings if case < 2 else settings[:1]:  # every setting on the first two cases
             for splits in (None, 7):
                 fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
-                                                num_splits=splits, block_n=block_n, num_warps=num_warps,
-                                                max_registers=max_registers, num_stages=num_stages,
-                                                column_order=column_order).float()
+                                                num_splits=splits, **_launch(setting)).float()
                 err = (fused - reference).abs().max().item() / reference.abs().max().item()
-                name = (f"D={head_dim} {k_kind}/{v_kind} lens={lens} {block_n}/{num_warps}/{max_registers}/{num_stages}"
-                        f"{'' if column_order else ' natural column order'} splits={splits}")
+                name = f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} {'/'.join(map(str, setting))} splits={splits}"
                 print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
                 if err >= 2e-2:
                     failures.append(name)
@@ -87,46 +97,43 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     return time_ms(merge, n_inputs=len(metas), device=device)
 
 
-def _sweep_shape(batch, ctx, q_heads, split_list, kind, settings, device) -> None:
+def _sweep_shape(batch, ctx, q_heads, settings, device) -> None:
     sdpa = kernels_turbo.sdpa_ms(batch, ctx, q_heads, device)
     torch.cuda.empty_cache()
-    store, metas, qs, turbo_bytes = kernels_turbo.random_decode_inputs(batch, ctx, q_heads, kind, device)
+    store, metas, qs, turbo_bytes = kernels_turbo.random_decode_inputs(batch, ctx, q_heads, "turbo3", device)
     scale = HEAD_DIM**-0.5
-    label = f"{kind} b{batch} ctx{ctx // 1024}K {q_heads}q/{KV_HEADS}kv"
+    label = f"turbo3 b{batch} ctx{ctx // 1024}K {q_heads}q/{KV_HEADS}kv"
     print(f"{label}: bf16 SDPA {sdpa:.4f} ms", flush=True)
-    for n, (block_n, num_warps, max_registers, num_stages, column_order) in enumerate(settings):
-        for splits in split_list if n < 2 else split_list[:1]:
-            launch = dict(num_splits=splits, block_n=block_n, num_warps=num_warps, max_registers=max_registers,
-                          num_stages=num_stages, column_order=column_order)
+    for setting, programs_per_sm in settings:
+        for splits in _split_counts(programs_per_sm, batch, ctx, setting[0], device):
+            launch = dict(num_splits=splits, **_launch(setting))
 
             def ours(i, launch=launch):
                 return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
                                                **launch)
 
             ms = time_ms(ours, n_inputs=len(qs), device=device)
-            chosen = attention.choose_splits(batch, KV_HEADS, ctx, device, block_n) if splits is None else splits
-            print(f"  {label} {block_n}/{num_warps} regs<={max_registers} stages={num_stages}"
-                  f"{'' if column_order else ' natural column order'} splits={chosen}"
-                  f"{' (rule)' if splits is None else ''}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
-                  f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
-    for splits in split_list[1:2]:
-        print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
-              flush=True)
+            chosen = attention.choose_splits(batch, KV_HEADS, ctx, device, setting[0]) if splits is None else splits
+            print(f"  {label} {'/'.join(map(str, setting))} splits={chosen}{' (rule)' if splits is None else ''}: "
+                  f"{ms:.4f} ms = {sdpa / ms:.2f}x SDPA, {turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
+    splits = attention.choose_splits(batch, KV_HEADS, ctx, device)
+    print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
+          flush=True)
 
 
 def main() -> int:
     device = require_gpu()
     if "--ncu" in sys.argv:  # two launches each of the first two settings, for a profiler to read
         store, metas, qs, _ = kernels_turbo.random_decode_inputs(8, 65536, 32, "turbo3", device)
-        for i, (block_n, num_warps, max_registers, num_stages, column_order) in enumerate(2 * SETTINGS[:2]):
+        for i, (setting, _) in enumerate(2 * SETTINGS[:2]):
             decode_attention_triton(qs[i % len(qs)], store.k, store.v, metas[i % len(qs)], HEAD_DIM**-0.5, store.signs,
-                                    store.inv_sqrt, block_n=block_n, num_warps=num_warps, max_registers=max_registers,
-                                    num_stages=num_stages, column_order=column_order)
+                                    store.inv_sqrt, **_launch(setting))
         torch.cuda.synchronize()
         return 0
-    failures = _check_settings(device)
-    for batch, ctx, q_heads, split_list in SHAPES:
-        _sweep_shape(batch, ctx, q_heads, split_list, "turbo3", SETTINGS, device)
+    settings = SETTINGS[:1] if "--default-only" in sys.argv else SETTINGS
+    failures = _check_settings(device, settings)
+    for batch, ctx, q_heads in SHAPES:
+        _sweep_shape(batch, ctx, q_heads, settings, device)
         torch.cuda.empty_cache()
     print("all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {failures}")
     return 1 if failures else 0
