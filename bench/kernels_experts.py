@@ -15,9 +15,9 @@ time them on the same inputs.
 
 The full run also prints two sweeps that inform the launch choices: GEMM-body decode tiles
 (moe._tile_shape) and GEMV pipeline depth / rows per program (moe.gemv_stages, moe.GEMV_BLOCK_N);
-EXPERTS_SWEEP_MMA=1 adds the q2_0 tensor-core body's tiles (moe.mma_*) to any run, EXPERTS_SWEEP_SPLIT=1 its
-split-K targets (moe.mma_split_programs). Both lists start with routing.align_pairs: the device kernel against
-the torch version (element-for-element check, then device time per call and host time per call).
+EXPERTS_SWEEP_MMA=1 adds the q2_0 tensor-core body's tiles (moe.mma_*) to any run. Both lists start with
+routing.align_pairs: the device kernel against the torch version (element-for-element check, then device time
+per call and host time per call).
 
 EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a minute plus
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from bench.harness import Row, time_ms
 from server.kernels.experts import moe
 from server.kernels.experts.moe_reference import fused_moe_reference
-from server.kernels.experts.routing import align_pairs, align_pairs_reference, align_pairs_triton, single_pair_blocks
+from server.kernels.experts.routing import (
+    align_pairs,
+    align_pairs_reference,
+    align_pairs_triton,
+    single_pair_blocks,
+)
 from server.kernels.experts.weights import ExpertWeights, random_signs, rotation_group
 
 FORMATS = ("e8p", "e8p3", "q2_0", "q1_0")
@@ -321,17 +326,14 @@ def sweep_mma(device, copy_gbs: float, token_counts=(1, 8), configs=MMA_SWEEP) -
 
 def check_mma(device) -> list[str]:
     """The q2_0 tensor-core body (inline assembly, fp16 and bf16) against the float32 reference at the deep
-    widths, 1 to 8 tokens (forced below moe.MMA_MIN_PAIRS), whole K and split K (one slice per K step);
-    raises on mismatch."""
+    widths, 1 to 8 tokens (forced below moe.MMA_MIN_PAIRS); raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(6)
     lines = []
     gu = random_weights("q2_0", 64, 2 * 2048, 6144, device, gen)
     dn = random_weights("q2_0", 64, 6144, 2048, device, gen)
-    saved = moe.MMA_MIN_PAIRS, moe.mma_split_programs
-    moe.MMA_MIN_PAIRS = 1
+    saved, moe.MMA_MIN_PAIRS = moe.MMA_MIN_PAIRS, 1
     try:
-        for (dtype, bound), split in itertools.product(((torch.bfloat16, 1e-2), (torch.float16, 2e-3)), (0, 1 << 20)):
-            moe.mma_split_programs = split
+        for dtype, bound in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
             for tokens in (1, 3, 8):
                 x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
                 ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
@@ -341,40 +343,12 @@ def check_mma(device) -> list[str]:
                 out = torch.full((tokens, 6144), float("nan"), device=device)
                 out.copy_(moe.fused_moe_triton(x, w.to(dtype), ids, gu, dn, gemv=True).float())
                 err = ((out - ref).norm() / ref.norm()).item()
-                split_k = ", split K" if split else ""
-                lines.append(f"q2_0 MMA body{split_k} {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
+                lines.append(f"q2_0 MMA body {dtype} T={tokens}: rel err {err:.2e} (bound {bound:.0e})")
                 if not err < bound:
                     raise AssertionError(f"tensor-core q2_0 body disagrees with the reference: {lines[-1]}")
     finally:
-        moe.MMA_MIN_PAIRS, moe.mma_split_programs = saved
+        moe.MMA_MIN_PAIRS = saved
     return lines
-
-
-def sweep_mma_split(device, copy_gbs: float, targets=(0, 512, 1024, 2048)) -> int:
-    """Print kernel-only times of the q2_0 tensor-core body for split-K targets (moe.mma_split_programs; 0 = whole
-    K) at deep T=1 and T=8 and Mixtral T=1, beside the GEMV body on the same inputs; leaves moe.mma_split_programs
-    at the fastest target over the deep cases (so the rows measured after it use it) and returns it."""
-    gen = torch.Generator(device=device).manual_seed(7)
-    totals = dict.fromkeys(targets, 0.0)
-    saved = moe.mma_split_programs
-    for shape, label, tokens in ((DEEP, "deep", 1), (DEEP, "deep", 8), (MIXTRAL, "mixtral", 1)):
-        gu = random_weights("q2_0", shape["experts"], 2 * shape["i"], shape["d"], device, gen)
-        dn = random_weights("q2_0", shape["experts"], shape["d"], shape["i"], device, gen)
-        sets, n_sets, m = _decode_inputs(shape, tokens, device, gen)
-        nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
-        for body, target in [("gemv", None)] + [("mma", t) for t in targets]:
-            moe.mma_split_programs = saved if target is None else target
-            kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
-            ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
-            if target is not None and label == "deep":
-                totals[target] += ms
-            gbs = nbytes / ms / 1e6
-            print(f"sweep split {label} q2_0 T={tokens} {body} mma_split_programs={target}: {ms * 1e3:.1f} us, "
-                  f"{gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy", flush=True)
-    best = min(totals, key=totals.get)
-    moe.mma_split_programs = best
-    print(f"sweep split: fastest over deep T=1 and T=8: mma_split_programs={best}; the rows below use it", flush=True)
-    return best
 
 
 # (experts, tokens, pairs per block) at top-8: decode (moe.DECODE_BLOCK_M) and prefill (PREFILL_BLOCK_M) sizes.
@@ -448,8 +422,6 @@ def run(device: torch.device, copy_gbs: float):
         print("correctness:", line, flush=True)
     if os.environ.get("EXPERTS_SWEEP_MMA") == "1":
         sweep_mma(device, copy_gbs)
-    if os.environ.get("EXPERTS_SWEEP_SPLIT") == "1":
-        sweep_mma_split(device, copy_gbs)
     if QUICK:
         sections = (lambda: routing_rows(device),
                     lambda: _decode_rows(DEEP, "deep D6144 I2048 E64 top8", (1, 8), copy_gbs, device),

@@ -102,19 +102,16 @@ def count(fmt: str, dual: bool, body: str) -> tuple[float, int, int, int]:
     return loop_length(kernel) / (rows * block_k / 128), res["REG"], res["LOCAL"], kernel.asm["ptx"].count("cp.async.c")
 
 
-def count_mma(dual: bool, bf16: bool, partial: bool = False) -> tuple[float, int, int, int, int]:
+def count_mma(dual: bool, bf16: bool) -> tuple[float, int, int, int, int]:
     """(loop instructions per weight per thread, registers, spilled bytes, shared-memory stores in the loop (none
-    of them the dequantized tile's: it feeds the MMA from registers), warpgroup MMAs in the loop) of the q2_0
-    tensor-core body (moe_mma.py) at moe.mma_* and the D=6144 shape; ``partial``: its split-K launch shape."""
-    sig = {"a_ptr": "*bf16" if bf16 else "*fp16", "out_ptr": "*bf16" if dual and not partial else "*fp32",
-           "pair_ids_ptr": "*i32",
+    of them the dequantized tile's: it feeds the MMA from registers), warpgroup MMAs in the loop) of the q2_0 tensor-core body (moe_mma.py) at moe.mma_* and the D=6144 shape."""
+    sig = {"a_ptr": "*bf16" if bf16 else "*fp16", "out_ptr": "*bf16" if dual else "*fp32", "pair_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "routing_ptr": "*fp32", "w_ptr": "*u8", "d_ptr": "*fp16", "N": "i32",
-           "K": "i32", "K_SPLIT": "i32", "num_pairs": "i32", "stride_am": "i32", "stride_os": "i32", "stride_om": "i32",
-           "stride_we": "i32", "stride_wn": "i32", "stride_de": "i32", "stride_dn": "i32"}
-    constexprs = {"DUAL": dual, "ROUTED": not dual, "PARTIAL": partial, "A_ROW_DIV": 8 if dual else 1,
-                  "BLOCK_N": moe.mma_block_n, "BLOCK_T": moe.MMA_BLOCK_T, "ASM": True, "UNROLL": moe.mma_unroll}
-    divisible = frozenset({"N", "K", "K_SPLIT", "stride_am", "stride_os", "stride_om", "stride_we", "stride_wn",
-                           "stride_de", "stride_dn"})
+           "K": "i32", "num_pairs": "i32", "stride_am": "i32", "stride_om": "i32", "stride_we": "i32",
+           "stride_wn": "i32", "stride_de": "i32", "stride_dn": "i32"}
+    constexprs = {"DUAL": dual, "ROUTED": not dual, "A_ROW_DIV": 8 if dual else 1, "BLOCK_N": moe.mma_block_n,
+                  "BLOCK_T": moe.MMA_BLOCK_T, "ASM": True, "UNROLL": moe.mma_unroll}
+    divisible = frozenset({"N", "K", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_de", "stride_dn"})
     kernel = compile_sm90(_expert_mma, sig | dict.fromkeys(constexprs, "constexpr"), constexprs, moe.mma_warps,
                           divisible)
     _, res = sass_counts(kernel)
@@ -137,14 +134,13 @@ def main() -> None:
                   f"{gemm_regs} |{spills}", flush=True)
     print(f"\nq2_0 tensor-core body (moe_mma.py), {moe.mma_block_n} rows x {moe.mma_unroll} q blocks per K step, "
           f"{moe.mma_warps} warps:")
-    print("| activations | projection | split K | instr/weight | regs | shared-memory stores in the loop | "
-          "warpgroup MMAs |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for bf16, partial in ((True, False), (False, False), (True, True)):
+    print("| activations | projection | instr/weight | regs | shared-memory stores in the loop | warpgroup MMAs |")
+    print("|---|---|---:|---:|---:|---:|")
+    for bf16 in (True, False):
         for dual in (True, False):
-            per_weight, regs, spill, stores, mmas = count_mma(dual, bf16, partial)
-            print(f"| {'bf16' if bf16 else 'fp16'} | {'gate_up' if dual else 'down'} | {'yes' if partial else 'no'} | "
-                  f"{per_weight:.2f} | {regs} | {stores} | {mmas} |{' (spills)' if spill else ''}", flush=True)
+            per_weight, regs, spill, stores, mmas = count_mma(dual, bf16)
+            print(f"| {'bf16' if bf16 else 'fp16'} | {'gate_up' if dual else 'down'} | {per_weight:.2f} | {regs} | "
+                  f"{stores} | {mmas} |{' (spills)' if spill else ''}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from server.kernels.experts import e8p
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
 from server.kernels.experts.moe_gemv import _expert_gemv, field_mask
-from server.kernels.experts.moe_mma import _expert_mma, _sum_splits, tile_order
+from server.kernels.experts.moe_mma import _expert_mma, tile_order
 from server.kernels.experts.routing import ExpertBlocks, align_pairs, single_pair_blocks
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.timing import timed
@@ -171,41 +171,21 @@ def use_mma(fmt: str, dtype: torch.dtype, num_pairs: int) -> bool:
 
 def launch_expert_mma(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, w: ExpertWeights,
                       dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
-    """As launch_expert_gemm for q2_0 on tensor cores (moe_mma.py); blocks of MMA_BLOCK_T pairs. A launch of
-    fewer than mma_split_programs programs splits K (float32 partial sums, then one `_sum_splits` launch)."""
+    """As launch_expert_gemm for q2_0 on tensor cores (moe_mma.py); blocks of MMA_BLOCK_T pairs."""
     num_e, rows, k = w.shape
     n = rows // 2 if dual else rows
     codes, d = w.tensors["codes"], w.tensors["d"]
     tiles = tile_order(a)
     blocks_per_step = next(b for b in (mma_unroll, 2, 1) if k % (64 * b) == 0)
-    step = 64 * blocks_per_step
-    programs = blocks.num_blocks * triton.cdiv(n, mma_block_n)
-    k_split = triton.cdiv(k // step, _mma_splits(programs, k // step)) * step
-    splits = triton.cdiv(k, k_split)
-    target = out if splits == 1 else torch.empty((splits, out.shape[0], rows), dtype=torch.float32, device=a.device)
-    grid = (blocks.num_blocks, triton.cdiv(n, mma_block_n), splits)
+    grid = (blocks.num_blocks, triton.cdiv(n, mma_block_n))
     with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_mma", a.device):
         _expert_mma[grid](
-            tiles, target, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out, codes, d,
-            n, k, k_split, blocks.num_pairs, tiles.stride(0), target.stride(0) if splits > 1 else 0,
-            target.stride(-2), codes.stride(0), codes.stride(1), d.stride(0), d.stride(1),
-            DUAL=dual, ROUTED=routing is not None, PARTIAL=splits > 1, A_ROW_DIV=a_row_div,
+            tiles, out, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out, codes, d,
+            n, k, blocks.num_pairs, tiles.stride(0), out.stride(0), codes.stride(0), codes.stride(1),
+            d.stride(0), d.stride(1), DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
             BLOCK_N=mma_block_n, BLOCK_T=blocks.block_m, ASM=os.environ.get("TRITON_INTERPRET") != "1",
             UNROLL=blocks_per_step, num_warps=mma_warps, num_stages=mma_stages,
         )
-    if splits > 1:
-        with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_mma_splits", a.device):
-            _sum_splits[(out.shape[0], triton.cdiv(n, SPLITS_BLOCK))](
-                target, out, n, splits, target.stride(0), target.stride(1), out.stride(0), DUAL=dual,
-                BLOCK=SPLITS_BLOCK,
-            )
-
-
-def _mma_splits(programs: int, k_steps: int) -> int:
-    """Slices of K per (block, row block): enough for about mma_split_programs programs, at most one per K step."""
-    if programs >= mma_split_programs:
-        return 1
-    return min(k_steps, triton.cdiv(mma_split_programs, programs))
 
 
 MMA_BLOCK_T = 16  # pairs per block: the MMA's N (Triton takes the warpgroup MMA at N = 16, mma.sync at 8)
@@ -216,12 +196,10 @@ mma_block_n, mma_unroll, mma_warps, mma_stages = 128, 2, 4, 3
 # Fewest pairs in a step for the tensor-core body. H200, D=6144 I=2048 top-8, kernels only: at 64 pairs
 # (8 tokens) it beats the GEMV body, 400 vs 451 us; at 8 pairs (1 token) it loses, 99 vs 81 us (and Mixtral's
 # 2 pairs 157 vs 108 us): few experts give too few programs for its long K loops to hide memory latency.
-# Between 8 and 64 pairs nothing was measured, so the GEMV body keeps them.
+# Between 8 and 64 pairs nothing was measured, so the GEMV body keeps them. Splitting K to put more programs in
+# flight (tried 03:05 UTC on 2026-11-30, docs/BENCHMARKS.md) took one token from 99.9 to 88.7 us, still behind the
+# GEMV body's 82.5, and changed nothing at 8 tokens, so it was not kept.
 MMA_MIN_PAIRS = 64
-# Split K while a tensor-core launch has fewer programs than this (0: never): one-token decode launches only
-# (busy experts x row blocks) programs, each with a long K loop. Module-level so benchmark sweeps can set it.
-mma_split_programs = 0
-SPLITS_BLOCK = 512  # outputs per program of the split-K sum
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
 # Software-pipeline depth of the GEMV K loop (tl.range num_stages; > 1 puts the weight loads in a cp.async

@@ -97,15 +97,14 @@ def _q2_levels(word, BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, k_begin, k_end, stride_wn, stride_dn,
+def _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn,
                           BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
                           UNROLL: tl.constexpr):
-    """[BLOCK_N, BLOCK_T] float32 W[rows, k_begin:k_end] · a[:, k_begin:k_end]ᵀ for one expert's q2_0 rows and
-    the block's activation rows."""
+    """[BLOCK_N, BLOCK_T] float32 W[rows] · aᵀ for one expert's q2_0 rows and the block's activation rows."""
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     word_ptrs = w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + tl.arange(0, 4)[None, :]
     offs_k = tl.arange(0, Q2_BLOCK)
-    for k0 in tl.range(k_begin, k_end, Q2_BLOCK * UNROLL):
+    for k0 in tl.range(0, K, Q2_BLOCK * UNROLL):
         for b in tl.static_range(UNROLL):  # UNROLL q blocks per iteration: one loop overhead for all
             kb = k0 + b * Q2_BLOCK
             words = tl.load(word_ptrs + kb // 16)
@@ -118,15 +117,13 @@ def _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, k_begin, k_end, stride_
 
 @triton.jit
 def _expert_mma(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, w_ptr, d_ptr,
-                N, K, K_SPLIT, num_pairs, stride_am, stride_os, stride_om, stride_we, stride_wn, stride_de, stride_dn,
-                DUAL: tl.constexpr, ROUTED: tl.constexpr, PARTIAL: tl.constexpr, A_ROW_DIV: tl.constexpr,
+                N, K, num_pairs, stride_am, stride_om, stride_we, stride_wn, stride_de, stride_dn,
+                DUAL: tl.constexpr, ROUTED: tl.constexpr, A_ROW_DIV: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr):
     """out[p, rows] for the pairs p of block program_id(0) (routing.align_pairs) and BLOCK_N rows.
 
     Same epilogues as `_expert_gemm`: DUAL reads gate rows n and up rows N + n and writes
     silu(gate)·up; ROUTED multiplies by routing[p]. Activations are fp16 or bf16, the MMA's operands.
-    PARTIAL (split K): program_id(2) sums inputs [s·K_SPLIT, (s + 1)·K_SPLIT) only and writes float32 sums
-    to out + s·stride_os, DUAL's gate and up unfused (row n and N + n); `_sum_splits` finishes them.
     """
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -138,41 +135,13 @@ def _expert_mma(a_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, routing_ptr, w_p
     w_e = w_ptr + e64 * stride_we
     d_e = d_ptr + e64 * stride_de
     BF16: tl.constexpr = a_ptr.dtype.element_ty == tl.bfloat16
-    if PARTIAL:
-        k_begin = tl.multiple_of(tl.program_id(2) * K_SPLIT, Q2_BLOCK)  # K_SPLIT: whole K steps
-        k_end = tl.multiple_of(tl.minimum(k_begin + K_SPLIT, K), Q2_BLOCK)
-    else:  # loop bounds 0 and K (a multiple of 16 the launch specializes): 2.48 against 2.64 instr/weight, sm_90
-        k_begin = 0
-        k_end = K
-    val = _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, k_begin, k_end, stride_wn, stride_dn, BLOCK_N,
-                                BLOCK_T, BF16, ASM, UNROLL)
+    val = _q2_rows_times_tokens(w_e, d_e, rows, a_ptrs, pmask, K, stride_wn, stride_dn, BLOCK_N, BLOCK_T, BF16, ASM,
+                                UNROLL)
     if DUAL:
-        up = _q2_rows_times_tokens(w_e, d_e, rows + N, a_ptrs, pmask, k_begin, k_end, stride_wn, stride_dn, BLOCK_N,
-                                   BLOCK_T, BF16, ASM, UNROLL)
-        if not PARTIAL:
-            val = val * tl.sigmoid(val) * up
+        up = _q2_rows_times_tokens(w_e, d_e, rows + N, a_ptrs, pmask, K, stride_wn, stride_dn, BLOCK_N, BLOCK_T, BF16,
+                                   ASM, UNROLL)
+        val = val * tl.sigmoid(val) * up
     if ROUTED:
         val = val * tl.load(routing_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + tl.program_id(2) * stride_os + pairs.to(tl.int64)[None, :] * stride_om + out_rows[:, None]
-    omask = pmask[None, :] & (out_rows < N)[:, None]
-    tl.store(out, val.to(out_ptr.dtype.element_ty), mask=omask)
-    if DUAL and PARTIAL:
-        tl.store(out + N, up, mask=omask)
-
-
-@triton.jit
-def _sum_splits(part_ptr, out_ptr, N, SPLITS, stride_ps, stride_pm, stride_om, DUAL: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """out[p, n] = Σ_s part[s, p, n] (DUAL: silu of that sum times Σ_s part[s, p, N + n]), p = program_id(0)."""
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    row = part_ptr + tl.program_id(0).to(tl.int64) * stride_pm + cols
-    val = tl.zeros((BLOCK,), tl.float32)
-    up = tl.zeros((BLOCK,), tl.float32)
-    for s in range(SPLITS):
-        val += tl.load(row + s * stride_ps, mask=mask, other=0.0)
-        if DUAL:
-            up += tl.load(row + s * stride_ps + N, mask=mask, other=0.0)
-    if DUAL:
-        val = val * tl.sigmoid(val) * up
-    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + cols, val.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + out_rows[:, None]
+    tl.store(out, val.to(out_ptr.dtype.element_ty), mask=pmask[None, :] & (out_rows < N)[:, None])

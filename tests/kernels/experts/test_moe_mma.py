@@ -59,17 +59,6 @@ def test_mma_body_matches_float64_oracle_with_fp16_activations(num_e, d, i, toke
     assert err < 3e-3, f"tensor-core body differs from the float64 oracle by {err:.2e}"  # fp16 h between kernels
 
 
-@pytest.mark.parametrize("split_programs", [24, 10**6])  # 2 slices of K (one uneven), one slice per K step
-def test_mma_body_with_split_k_matches_float64_oracle(split_programs, monkeypatch):
-    monkeypatch.setattr(moe, "MMA_MIN_PAIRS", 1)
-    monkeypatch.setattr(moe, "mma_split_programs", split_programs)
-    x, w, ids, gu, dn = _problem("q2_0", 5, 256, 192, tokens=3, top_k=2, seed=11)
-    got = moe.fused_moe_triton(x.half(), w.half(), ids, gu, dn, gemv=True)
-    want = oracle(x.half().float(), w.half().float(), ids, gu, dn)
-    err = ((got.double() - want).norm() / want.norm()).item()
-    assert err < 3e-3, f"split-K tensor-core body differs from the float64 oracle by {err:.2e}"
-
-
 def test_mma_body_reads_every_code_and_scale_it_is_given(monkeypatch):
     monkeypatch.setattr(moe, "MMA_MIN_PAIRS", 1)
     x, w, ids, gu, dn = _problem("q2_0", 2, 128, 128, tokens=2, top_k=1, seed=4)
