@@ -1,4 +1,4 @@
-"""GPU sweep of the turbo decode kernel's launch settings: `python bench/turbo_decode_sweep.py [--default-only] [--ncu]`.
+"""GPU sweep of the turbo decode kernel's launch settings: `python bench/turbo_decode_sweep.py [--default-only|--ncu]`.
 
 Correctness first (the swept launch settings against decode-then-attend in bf16, real K/V written by the
 store kernel), then our decode against bf16 SDPA at the shapes the targets name: batch 8 at 64K and 16K and
@@ -31,7 +31,9 @@ KV_HEADS, HEAD_DIM = kernels_turbo.KV_HEADS, kernels_turbo.HEAD_DIM  # the shape
 # (block_n, num_warps, max registers, pipeline stages) and the programs per SM to size the splits for, besides
 # choose_splits' count; None: the compiler's choice. Residency from the offline sm_90 build (bench/turbo_sass.py):
 # 64/4 at 128 / 96 / 80 registers holds 4 / 5 / 6 programs per SM (35 KB shared each); 16/1 (one warp, mma.sync)
-# about 20 one-warp programs (10 KB shared each) at 96 or 80 registers.
+# about 20 one-warp programs (10 KB shared each) at 96 or 80 registers. H200 2026-11-30 03:01 (docs/BENCHMARKS.md):
+# the default wins at every shape; more programs per SM at fewer registers lose (b8/64K 0.368 ms vs 0.382 at 96,
+# 0.438 at 80 registers), one-warp programs too (0.404 ms at 41 splits).
 SETTINGS = (
     ((64, 4, 128, None), (8,)),
     ((64, 4, 96, None), (5, 10)),
@@ -69,7 +71,8 @@ def _check_settings(device, settings) -> list[str]:
                 fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
                                                 num_splits=splits, **_launch(setting)).float()
                 err = (fused - reference).abs().max().item() / reference.abs().max().item()
-                name = f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} {'/'.join(map(str, setting))} splits={splits}"
+                name = (f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} {'/'.join(map(str, setting))} "
+                        f"splits={splits}")
                 print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
                 if err >= 2e-2:
                     failures.append(name)
