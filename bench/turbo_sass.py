@@ -8,6 +8,12 @@ shared-memory / shuffle / mma instructions of a step.
 A proxy for the kernel being instruction-bound (docs/BENCHMARKS.md), not a speed measurement.
 Pointers and integer arguments carry the 16-byte divisibility a real launch has; without it the
 compiler reports unvectorized loads the launch does not have.
+Counts depend on the Triton version (each line names it): compile with the GPU machine's (3.6.0, not this
+venv's 3.7.1), e.g. `pip download --no-deps triton==3.6.0 -d /tmp/t36 && pip install --no-deps --target
+/tmp/tri36 /tmp/t36/triton-*.whl`, then `PYTHONPATH=/tmp/tri36 python bench/turbo_sass.py`. The versions
+differ where it matters: the same kernel counts 443 instructions per step under 3.6.0 and 476 under 3.7.1,
+and a K tile decoded straight into the mma's register operand compiled register-only under 3.7.1 but
+through scalar shared-memory stores under 3.6.0 (43 % slower on the H200, docs/BENCHMARKS.md 03:13).
 """
 
 from __future__ import annotations
@@ -178,7 +184,7 @@ def summary(bits_k: int, bits_v: int, block: int, warps: int, max_registers: int
     opcodes = collections.Counter(text.split()[1 if text.startswith("@") else 0].split(".")[0] for text in loop)
     regs, shared = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "SHARED"))
     syncs = ", ".join(f"{op} {opcodes[op]}" for op in ("BAR", "STS", "LDS", "STSM", "LDSM", "SHFL", "HGMMA", "HMMA"))
-    return (f"K{bits_k}/V{bits_v} {block} tokens, {warps} warps"
+    return (f"Triton {triton.__version__}, K{bits_k}/V{bits_v} {block} tokens, {warps} warps"
             + ("" if max_registers is None else f", <= {max_registers} registers")
             + f": {len(loop)} instructions per step, {len(loop) / values_per_thread:.2f} per stored value, "
             f"{regs} registers, {shared} B shared; tile stores "
