@@ -5,7 +5,8 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     program, so GQA shares a single read of the pages;
   * Q is rotated once in the program (and pre-scaled by softmax scale * log2 e);
     scores = norm_k * <R q, c[idx_k]>; V is accumulated in the rotated domain as
-    sum_j p_j * norm_v * c[idx_v] with an online softmax;
+    sum_j p_j * norm_v * c[idx_v] with an online softmax over only the query rows that can
+    hold heads (the mma needs 16; _query_rows);
   * codes are read as 32-bit words and decoded inside the loading thread
     (codes.decode_rows): with fp16/bf16 queries (the GPU case) by a byte-permute lookup
     of fp16 centroids (about one PRMT per value), and Q, K, P, V are fp16 mma operands
