@@ -335,7 +335,6 @@ def decode_step_timings(device, copy_gbs: float) -> None:
             gemv.MEASURED_M1.update(best_configs)
         try:
             graphs = DecodeGraphs(loaded.model, stores, 1, 32, cfg.max_position_embeddings, device)
-            graphs.context_lens = sorted({512, 1024, *graphs.context_lens})  # more launch plans to compare below
             graphs.capture()
             outputs[setting + configs] = graphs.run(ids, positions, meta).clone()
             ms = time_ms(lambda _: graphs.graphs[1, 256].replay(), warmup=5, iters=30, device=device)

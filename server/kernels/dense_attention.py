@@ -35,10 +35,7 @@ if TYPE_CHECKING:  # paged_kv imports this module lazily; a runtime import would
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-# One tile per split is not too short: the tiles of a split run one after another, and at batch 1 that latency
-# costs more than a wider merge (H200, 8B shape, context 200, whole decode step: 1 split of 4 tiles 3998 us,
-# 8 splits 3892 us).
-MIN_TOKENS_PER_SPLIT = 64
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 
 
 @triton.jit
