@@ -6,18 +6,14 @@ batch size in ``capture_sizes`` and replayed: the step's inputs are copied into 
 buffers, the batch is padded up to the next captured size, and the graph runs.
 
 Padding rows must be harmless: their slot is -1 (the fast KV write stores nothing) and their
-seq_len is 0 (decode attention returns zeros for them), so they never touch a page.
-
-A decode kernel plans its launch (flash-decoding splits, partial buffers) from the longest
-context the host metadata names, so each batch size is captured once per context bucket
-(``context_buckets``) with that bucket as the hint, and a replay takes the smallest bucket that
-holds the batch's longest context. One hint of ``max_model_len`` would run a 128K plan at every
-length: for the 8B shape at batch 1, 64 splits and their merge in every layer of a 200-token chat.
+seq_len is 0 (decode attention returns zeros for them), so they never touch a page. Graphs
+are captured with a context-length hint of ``max_model_len`` because the decode kernel
+picks its split count at capture time and the graph replays at every length
+(server/kernels/dense_attention.py computes split ranges on the device).
 
 A KV store opts in with a class attribute ``cuda_graph_safe = True``, which promises exactly
 that: a negative slot writes nothing, a row with seq_len 0 reads nothing and stays finite, and
-launch shapes depend on the host metadata only, never on the values of ``seq_lens``; a launch
-planned for a longest context L is correct for every batch whose contexts are at most L.
+launch shapes depend on the host metadata only, never on the values of ``seq_lens``.
 
 A replay's inputs arrive in two host-to-device copies (one int64 buffer: ids, positions, slots;
 one int32 buffer: seq_lens, block tables) from pinned memory straight into the buffers the graphs
@@ -45,19 +41,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def context_buckets(max_model_len: int, shortest: int = 256, step: int = 8) -> list[int]:
-    """Launch-planning context lengths of the captures: 256, 2048, 16384, ... and max_model_len.
-
-    Steps of 8x keep every replayed plan within 8x of the context it serves, at 3-5 captures
-    per batch size for 8K-128K models.
-    """
-    buckets = []
-    while shortest < max_model_len:
-        buckets.append(shortest)
-        shortest *= step
-    return buckets + [max_model_len]
-
-
 def graphs_unavailable_reason(device: torch.device, stores: list[KVLayerStore]) -> str | None:
     """Why decode steps must run eagerly here, or None when they can be captured."""
     unsafe = next((type(s).__name__ for s in stores if not getattr(s, "cuda_graph_safe", False)), None)
@@ -71,8 +54,7 @@ def graphs_unavailable_reason(device: torch.device, stores: list[KVLayerStore]) 
 
 
 class DecodeGraphs:
-    """Captured ``model.forward`` of decode batches, keyed by (batch size, context bucket); ``run`` replays
-    the smallest that fits."""
+    """Captured ``model.forward`` of decode batches; ``run`` replays the smallest that fits."""
 
     def __init__(
         self,
@@ -85,7 +67,7 @@ class DecodeGraphs:
     ):
         self.model, self.stores, self.device = model, stores, device
         self.sizes = capture_sizes(max_num_seqs)
-        self.context_lens = context_buckets(max_model_len)
+        self.max_model_len = max_model_len
         largest = self.sizes[-1]
         pinned = device.type == "cuda"
         self._host64 = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pinned)
@@ -99,40 +81,39 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         # Recorded after each copy out of the host buffers: the next fill waits for it.
         self._copied = torch.cuda.Event() if pinned else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
 
-    def _meta(self, n: int, context_len: int) -> AttentionMetadata:
+    def _meta(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n],
             block_tables=self.block_tables[:n],
             seq_lens=self.seq_lens[:n],
             query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens_cpu=[context_len] * n,  # launch-planning hint only: the graph serves every length up to it
+            seq_lens_cpu=[self.max_model_len] * n,  # launch-planning hint only: the graph serves every length
             query_lens_cpu=[1] * n,
         )
 
-    def _forward(self, n: int, context_len: int) -> torch.Tensor:
-        return self.model.forward(self.input_ids[:n], self.positions[:n], self.stores, self._meta(n, context_len))
+    def _forward(self, n: int) -> torch.Tensor:
+        return self.model.forward(self.input_ids[:n], self.positions[:n], self.stores, self._meta(n))
 
     @torch.inference_mode()
     def capture(self) -> None:
         # Largest first, so the smaller graphs fit in the memory pool the largest one reserved.
         # The static slots are all -1 and seq_lens 0 here: capture writes and reads no page.
         pool = torch.cuda.graph_pool_handle()
-        for key in sorted(((n, c) for n in self.sizes for c in self.context_lens), reverse=True):
-            self._forward(*key)  # warm-up outside the capture: Triton compiles, the allocator settles
+        for n in reversed(self.sizes):
+            self._forward(n)  # warm-up outside the capture: Triton compiles, the allocator settles
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self._forward(*key)
-            self.graphs[key] = graph
+                self.outputs[n] = self._forward(n)
+            self.graphs[n] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s x longest contexts %s", self.sizes, self.context_lens)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def can_run(self, num_rows: int, decode_only: bool, table_width: int, longest_context: int) -> bool:
-        return (0 < num_rows <= self.sizes[-1] and decode_only and table_width <= self.block_tables.shape[1]
-                and longest_context <= self.context_lens[-1])  # fmt: skip
+    def can_run(self, num_rows: int, decode_only: bool, table_width: int) -> bool:
+        return 0 < num_rows <= self.sizes[-1] and decode_only and table_width <= self.block_tables.shape[1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode batch given as device tensors (tests, benches)."""
@@ -146,7 +127,6 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of a decode batch given on the host (check ``can_run`` first)."""
         n, width = len(input_ids), block_tables.shape[1]
         size = next(s for s in self.sizes if s >= n)
-        context_len = next(c for c in self.context_lens if c >= max(seq_lens))
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffers (done long ago;
             # an event never recorded returns at once)
@@ -163,8 +143,8 @@ class DecodeGraphs:
             self._inputs64[0, :n].copy_(device_ids)
         if self._copied is not None:
             self._copied.record()
-        self.graphs[size, context_len].replay()
-        return self.outputs[size, context_len][:n]
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
 
 
 def maybe_capture_decode_graphs(
