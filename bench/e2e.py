@@ -63,6 +63,9 @@ SHAPES = dict(
 QUOTED_TRANSFORMERS = {("smollm2-135m", 1): 408, ("smollm2-135m", 32): 7388, ("llama3-8b", 1): 137, ("llama3-8b", 32): 3155}
 
 
+DEPTH_NEW_TOKENS = 32  # decode tokens timed after each depth's prompt
+
+
 class NullTokenizer:
     """Engines need a tokenizer for stop strings; benches send token ids and read token ids.
 
@@ -267,7 +270,7 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
     name = "depth-2048" if device.type == "cuda" else "tiny"
     cfg = SHAPES[name]
     loaded = build_random_model(cfg, device, args.dtype)
-    new = 32
+    new = DEPTH_NEW_TOKENS
     for kv_dtype in args.kv_cache_dtype:
         for depth in args.context_depth:
             prompt = max(depth, 1)
@@ -355,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{dated_heading(f'Engine throughput, random {dtype_name} weights')}\n\n"
         f"- Command: `{command_line('bench/e2e.py', argv)}`\n"
         f"- Hardware: {environment_line(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n"
-        f"- Decode: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, timed after every first "
-        f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy bandwidth.\n"
-        f"- Async scheduling {'on' if args.async_scheduling else 'off (--no-async-scheduling)'}.\n"
+        + (f"- Decode: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, timed after every first "
+           f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy "
+           f"bandwidth.\n" if shapes else "")
+        + (f"- Depth rows: batch 1, one prompt of the given depth, {DEPTH_NEW_TOKENS} greedy tokens timed after the "
+           f"first.\n" if args.context_depth else "")
+        + f"- Async scheduling {'on' if args.async_scheduling else 'off (--no-async-scheduling)'}.\n"
         + (f"- One-row skinny-matmul configurations (N, K, fused) -> (BLOCK_N, BLOCK_K, STAGES) from "
            f"{args.gemv_configs.name}: {gemv.MEASURED_M1}\n" if args.gemv_configs else "")
         + "\n"
