@@ -268,14 +268,19 @@ def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_fre
     block_m, block_n, block_k, stages = _config(rows, n, k, paired=epilogue != "none")
     y = torch.empty((rows, out_width), dtype=x.dtype, device=x.device)
     unused = weight  # any pointer for arguments the epilogue does not read
-    k_pages, v_pages, slots = kv_cache if kv_cache is not None else (unused, unused, unused)
+    if kv_cache is None:
+        k_pages = v_pages = slots = unused
+        stride_slot = stride_head = kv_rows = 0
+    else:
+        k_pages, v_pages, slots = kv_cache
+        stride_slot, stride_head = k_pages.stride(-3), k_pages.stride(-2)
+        kv_rows = k_pages.shape[-2] * k_pages.shape[-1]  # the v rows (and the k rows before them)
     _skinny_matmul_kernel[(triton.cdiv(n if epilogue == "none" else n // 2, block_n),)](
         x, weight, unused if bias is None else bias.contiguous(), y,
         unused if positions is None else positions, unused if inv_freq is None else inv_freq, float(scaling),
         rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        k_pages, v_pages, slots, k_pages.stride(-3) if kv_cache else 0, k_pages.stride(-2) if kv_cache else 0,
-        EPILOGUE=epilogue, ROTATED=rotated, HALF=half, WRITE_KV=kv_cache is not None,
-        KV_ROWS=k_pages.shape[-2] * k_pages.shape[-1] if kv_cache else 0,
+        k_pages, v_pages, slots, stride_slot, stride_head,
+        EPILOGUE=epilogue, ROTATED=rotated, HALF=half, WRITE_KV=kv_cache is not None, KV_ROWS=kv_rows,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
         STAGES=stages, num_warps=4, **pdl.launch_options(x.device),
