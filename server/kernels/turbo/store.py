@@ -9,9 +9,10 @@ Key offset: the store quantizes k - m, with m = ``k_offset`` (float32 [kv_heads,
 for the store's life; zeros by default, which is the spec's plain format). Attention then
 sees k - m instead of k, which changes every score of a query row by the same <q, m>, and
 softmax (causal mask included) is blind to that: the output is that of the keys the pages
-stand for (decoded + m), and no attention kernel knows about m. It pays because real keys share a large common direction per head:
-subtracting it leaves the quantizer the part that differs between tokens
-(server/runtime/kv_calibration.py picks m; docs/BENCHMARKS.md has the perplexity).
+stand for (decoded + m), and no attention kernel knows about m. It pays because real keys
+share a large common direction per head: subtracting it leaves the quantizer the part that
+differs between tokens (server/runtime/kv_calibration.py picks m; docs/BENCHMARKS.md has the
+perplexity).
 """
 
 from __future__ import annotations
