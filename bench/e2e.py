@@ -195,8 +195,8 @@ def prefill_tokens_per_s(engine: Engine, length: int, vocab: int) -> float:
 
 
 def transformers_tokens_per_s(cfg: ModelConfig, device: torch.device, batch: int, prompt_len: int,
-                              new_tokens: int) -> dict[str, float]:
-    """transformers generate() with a static cache, timed like our engine. On CUDA generate() compiles its decode
+                              new_tokens: int) -> float:
+    """Decode tok/s of transformers generate() with a static cache, timed like our engine. On CUDA generate() compiles its decode
     forward itself for a static cache (CUDA graphs, "reduce-overhead"); compiling model.forward on top of that
     replays graphs whose outputs the cache update has overwritten (transformers 5.17)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -223,7 +223,7 @@ def transformers_tokens_per_s(cfg: ModelConfig, device: torch.device, batch: int
     generate(2)
     full, one = generate(new_tokens), generate(1)
     del model
-    return {"decode": batch * (new_tokens - 1) / (full - one)}
+    return batch * (new_tokens - 1) / (full - one)
 
 
 def bench_shape(name: str, args, device: torch.device) -> dict:
@@ -270,19 +270,18 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
     name = "depth-2048" if device.type == "cuda" else "tiny"
     cfg = SHAPES[name]
     loaded = build_random_model(cfg, device, args.dtype)
-    new = DEPTH_NEW_TOKENS
     for kv_dtype in args.kv_cache_dtype:
         for depth in args.context_depth:
             prompt = max(depth, 1)
+            length = prompt + DEPTH_NEW_TOKENS
             try:
-                engine = make_engine(loaded, 1, prompt + new + 1, kv_dtype, prompt + new + 16, 8192,
-                                     args.async_scheduling)  # fmt: skip
+                engine = make_engine(loaded, 1, length + 1, kv_dtype, length + 16, 8192, args.async_scheduling)
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
                 lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)
                 break
             try:
-                ours = decode_tokens_per_s(engine, 1, prompt, new, cfg.vocab_size)
+                ours = decode_tokens_per_s(engine, 1, prompt, DEPTH_NEW_TOKENS, cfg.vocab_size)
                 result = f"{graph_note(engine)} | {ours:,.0f} tok/s"
             except Exception as exc:  # report and go on to the next configuration
                 result = f" | failed: {exc!r}"
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = {name: bench_shape(name, args, device) for name in shapes}
     # transformers only after every engine run: torch.compile leaves its compile workers and CUDA-graph pools
     # in this process (measured 2026-11-30: SmolLM2 b32 25,554 tok/s after the 8B's compiled generate, 29,849 without).
-    hf = {name: {b: transformers_tokens_per_s(SHAPES[name], device, b, args.prompt_len, args.new_tokens)["decode"]
+    hf = {name: {b: transformers_tokens_per_s(SHAPES[name], device, b, args.prompt_len, args.new_tokens)
                  for b in args.batch_sizes} if args.transformers else {} for name in shapes}  # fmt: skip
     for name in shapes:
         lines += shape_rows(name, ours[name], hf[name], args, copy_gbs)
