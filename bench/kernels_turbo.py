@@ -27,6 +27,7 @@ from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo import attention
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
+from server.kernels.turbo.key_offset import KeyOffset
 from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
@@ -72,7 +73,7 @@ def _filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, device, gen):
         slots = tables[s, pos // PAGE].long() * PAGE + pos % PAGE
         k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.3).to(device, torch.bfloat16)
         v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
-        store.write(k, v, slots)
+        store.write(k, v, slots, pos)
         kv.append((k, v, slots))
     return store, tables, kv
 
@@ -181,6 +182,14 @@ def sdpa_ms(batch: int, ctx: int, q_heads: int, device) -> float:
     return ms
 
 
+def engine_key_offset(kv_heads: int, head_dim: int, device, gen: torch.Generator, theta: float = 500000.0) -> KeyOffset:
+    """A key offset like the engine's (server/runtime/kv_calibration.py): a mean as long as a key, a sink unlike
+    it, and RoPE's frequencies for ``theta`` (Llama 3's)."""
+    mean, sink = (torch.randn(kv_heads, head_dim, generator=gen) * 3 for _ in range(2))
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return KeyOffset(mean.to(device), sink.to(device), inv_freq.to(device))
+
+
 def engine_slots(tokens: int, num_pages: int, page: int, device, gen: torch.Generator) -> torch.Tensor:
     """Slots as an engine step writes them: consecutive tokens fill shuffled pages, contiguous inside a page."""
     pages = torch.randperm(num_pages, generator=gen)[: -(-tokens // page)]
@@ -202,6 +211,7 @@ def _rotation_and_store_rows(device) -> list[Row]:
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     slots = engine_slots(tokens, tokens * 2 // PAGE, PAGE, device, torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens, device=device)
     dense_k = torch.empty(tokens * 2, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     dense_v = torch.empty_like(dense_k)
 
@@ -212,10 +222,12 @@ def _rotation_and_store_rows(device) -> list[Row]:
     dense_ms = time_ms(dense_write, device=device)
     for kind in ("turbo3", "turbo4"):
         store = TurboKVStore(tokens * 2 // PAGE, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
-        moved = 2 * k.numel() * 2 + tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind) + slots.numel() * 8
-        ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
-                                                  store.k_offset), device=device)
-        rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V", ms, dense_ms, moved,
+        pages_bytes = tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind)
+        moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8 + positions.numel() * 8
+        store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(1)))
+        ms = time_ms(lambda _: store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs,
+                                                  store.inv_sqrt, store.key_offset), device=device)
+        rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V, key offset", ms, dense_ms, moved,
                         "bf16 index_copy_ of K and V", f"{STORE_LAUNCH} (bench/turbo_store_sweep.py sweeps it)"))
     return rows
 

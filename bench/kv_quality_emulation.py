@@ -7,13 +7,13 @@ under a choice of key offset: how much of the quality loss each offset recovers 
 Every K and V the model writes goes into a float32 dense cache as dequantize(quantize(x - o)) + o (format.py's
 reference, specs/turboquant.md), with V's offset 0 and K's offset o one of
   none   0, the spec's plain format;
-  fixed  the mean post-RoPE key of each (layer, KV head): what the engine's turbo stores subtract
-         (server/runtime/kv_calibration.py);
+  fixed  the mean post-RoPE key of each (layer, KV head), what the engine's turbo stores subtracted before
+         the turned offset;
   rope   the mean pre-RoPE key turned to each key's position, and the calibration text's own key at
-         position 0 (the attention sink). Not in the engine: its attention would have to add <q, o(p)> for
-         every key, which softmax does not cancel as it cancels the fixed offset's <q, m>.
+         position 0 (the attention sink): what the engine's turbo stores subtract
+         (server/kernels/turbo/key_offset.py, server/runtime/kv_calibration.py).
 Offsets come from one forward over kv_calibration.CALIBRATION_TEXT, as the engine's. Windows and scoring are
-the perplexity tool's (text_windows; the second half of each window scored), so "fixed" reproduces
+the perplexity tool's (text_windows; the second half of each window scored), so "rope" reproduces
 `turboserve perplexity --kv-cache-dtype KIND` up to the engine's own arithmetic. Also printed: the mean
 KL(exact model || emulated) over the scored tokens, steadier than perplexity for comparing offsets.
 One sequence per forward, so a token's slot is its position.
@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore  # noqa: E402
 from server.kernels.turbo.format import dequantize_reference, quantize_reference  # noqa: E402
-from server.runtime.kv_calibration import CALIBRATION_TEXT, mean_keys  # noqa: E402
+from server.kernels.turbo.key_offset import key_offset_at  # noqa: E402
+from server.runtime.kv_calibration import CALIBRATION_TEXT  # noqa: E402
+from server.runtime.kv_calibration import key_offsets as calibrated_offsets  # noqa: E402
 from server.runtime.models.loader import load_model  # noqa: E402
 from server.tools.corpus import lee_corpus_path  # noqa: E402
 from server.tools.perplexity import summarize, text_windows  # noqa: E402
@@ -48,9 +50,9 @@ class EmulatedCache:
         self.store = DenseKVStore(-(-tokens // PAGE), PAGE, kv_heads, head_dim, torch.float32, "cpu")
         self.keys = None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
         self.keys = k.float()
-        self.store.write(*self.encode(self.layer, self.keys, v.float(), slot_mapping), slot_mapping)
+        self.store.write(*self.encode(self.layer, self.keys, v.float(), positions), slot_mapping, positions)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self.store.attend(q, meta, scale)
@@ -71,28 +73,16 @@ def forward(model, tokens: list[int], encode, scored_from: int) -> tuple[torch.T
     return torch.log_softmax(model.compute_logits(hidden[scored_from:-1]), dim=-1), caches
 
 
-def turn(rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] turned by RoPE to ``positions`` [T] (negative: back), without RoPE's attention scaling."""
-    return rotary(positions, x, x)[0] / rotary.attention_scaling
-
-
 def key_offsets(model, tokenizer) -> dict:
     """offset name -> offset(layer, positions [T]) giving [T, kv_heads, D] (or 0.0)."""
     cfg = model.config
-    fixed = mean_keys(model, tokenizer.encode(CALIBRATION_TEXT), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                      torch.device("cpu"), torch.float32)  # fmt: skip
     cal = tokenizer.encode(CALIBRATION_TEXT)
     _, caches = forward(model, cal, lambda layer, k, v, positions: (k, v), len(cal) - 1)
-    rotary = model.layers[0].self_attn.rotary
-    back = torch.arange(len(cal))
-    pre = [turn(rotary, c.keys, -back)[1:].mean(0) for c in caches]  # the first token is the sink, left out
-    sink = [c.keys[0] for c in caches]
-
-    def rope(layer: int, positions: torch.Tensor) -> torch.Tensor:
-        turned = turn(rotary, pre[layer].expand(len(positions), -1, -1), positions)
-        return torch.where((positions == 0)[:, None, None], sink[layer], turned)
-
-    return {"none": lambda layer, positions: 0.0, "fixed": lambda layer, positions: fixed[layer], "rope": rope}
+    fixed = [c.keys[1:].mean(0) for c in caches]  # the first token is the sink, left out
+    turned = calibrated_offsets(model, cal, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"),
+                                torch.float32)  # fmt: skip
+    return {"none": lambda layer, positions: 0.0, "fixed": lambda layer, positions: fixed[layer],
+            "rope": lambda layer, positions: key_offset_at(turned[layer], positions)}
 
 
 def roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -24,7 +24,8 @@ from server.kernels.turbo import quantize  # noqa: E402
 
 TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", "k_codes": "*u8", "v_codes": "*u8",
          "k_norms": "*fp16", "v_norms": "*fp16", "k_mid": "*fp32", "v_mid": "*fp32", "k_cent": "*fp32",
-         "v_cent": "*fp32", "k_offset": "*fp32", "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32"}
+         "v_cent": "*fp32", "pos_ptr": "*i64", "k_mean": "*fp32", "k_sink": "*fp32", "inv_freq": "*fp32",
+         "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32"}
 SETTINGS = [(16, 4), (32, 4), (64, 8)]  # (rows per tile, warps)
 
 

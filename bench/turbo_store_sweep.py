@@ -1,23 +1,21 @@
 """The turbo store kernel on the GPU: correctness at real sizes, then its settings against copy bandwidth.
 
-`python bench/turbo_store_sweep.py [--before FILE]`
+`python bench/turbo_store_sweep.py`
 
-1. Correctness (PASS/FAIL lines): bf16 and fp16 K/V through the store (with a key offset) against
-   format.quantize_reference on the same device: index mismatches (a value within an ulp of a
-   midpoint may differ, nothing else), norms of the groups whose indices all agree, zero rows,
-   padding slots (-1) and slots nobody wrote.
+1. Correctness (PASS/FAIL lines): bf16 and fp16 K/V through the store (with the engine's kind of key
+   offset, key_offset.py) against format.quantize_reference of k - o(p) on the same device: index
+   mismatches (a value within an ulp of a midpoint may differ, nothing else), norms of the groups whose
+   indices all agree, zero rows, padding slots (-1) and slots nobody wrote.
 2. Timing, 32768 tokens x 8 KV heads x d128, K+V: the store's launch settings (quantize.StoreLaunch)
-   for slots as an engine step writes them (pages shuffled, tokens contiguous inside a page), and the
-   default for tokens scattered one by one; baseline: bf16 index_copy_ of K and V through the same slots.
-   ``--before FILE``: a copy of an earlier quantize.py (`git show REV:server/kernels/turbo/quantize.py
-   > FILE`) timed on the same inputs, so one run shows before and after.
-   Bytes: bf16 K and V read + the turbo pages written (indices and norms) + the slot mapping.
+   with the key offset, for slots as an engine step writes them (pages shuffled, tokens contiguous inside
+   a page), and the default for tokens scattered one by one and without an offset (the plain format);
+   baseline: bf16 index_copy_ of K and V through the same slots.
+   Bytes: bf16 K and V read + the turbo pages written (indices and norms) + the slot mapping and positions.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -28,7 +26,8 @@ import torch  # noqa: E402
 from bench.harness import (  # noqa: E402
     BENCHMARKS_DOC, Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms,
 )
-from bench.kernels_turbo import engine_slots, store_errors  # noqa: E402
+from bench.kernels_turbo import engine_key_offset, engine_slots, store_errors  # noqa: E402
+from server.kernels.turbo.key_offset import key_offset_at  # noqa: E402
 from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
@@ -47,17 +46,17 @@ def check(device) -> list[str]:
         for head_dim, k_kind, v_kind in cases:
             tokens = CHECK_TOKENS
             store = TurboKVStore(2 * tokens // PAGE, PAGE, HEADS, head_dim, k_kind, v_kind, device, dtype)
-            offset = torch.randn(HEADS, head_dim, generator=gen) * 2
-            store.set_k_offset(offset.to(device))
-            k = (torch.randn(tokens, HEADS, head_dim, generator=gen) * 3 + offset).to(device, dtype)
+            store.set_key_offset(engine_key_offset(HEADS, head_dim, device, gen))
+            positions = torch.arange(tokens, device=device)
+            offsets = key_offset_at(store.key_offset, positions)
+            k = (torch.randn(tokens, HEADS, head_dim, generator=gen).to(device) * 3 + offsets).to(dtype)
             v = torch.randn(tokens, HEADS, head_dim, generator=gen).to(device, dtype)
-            k[7] = offset.to(dtype)  # k - m may be exactly zero only where the offset is exact in dtype
             v[11] = 0.0
             slots = engine_slots(tokens, store.k.codes.shape[0], PAGE, device, gen)
             slots[5] = -1  # padding
-            store.write(k, v, slots)
+            store.write(k, v, slots, positions)
             keep = slots >= 0
-            for label, pages, kind, x in (("K", store.k, k_kind, k.float() - store.k_offset),
+            for label, pages, kind, x in (("K", store.k, k_kind, k.float() - offsets),
                                           ("V", store.v, v_kind, v)):
                 s = slots[keep]
                 mism, rel = store_errors(pages, kind, x[keep], s)
@@ -74,17 +73,10 @@ def check(device) -> list[str]:
     return failures
 
 
-def _load_before(path: str):
-    spec = importlib.util.spec_from_file_location("store_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module.store_turbo_triton
-
-
-def timings(device, copy_gbs: float, before) -> list[Row]:
+def timings(device, copy_gbs: float) -> list[Row]:
     k = torch.randn(TOKENS, HEADS, 128, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    positions = torch.arange(TOKENS, device=device)
     num_pages = 2 * TOKENS // PAGE
     gen = torch.Generator().manual_seed(1)
     patterns = {"engine slots": engine_slots(TOKENS, num_pages, PAGE, device, gen),
@@ -101,16 +93,14 @@ def timings(device, copy_gbs: float, before) -> list[Row]:
         for kind in ("turbo3", "turbo4"):
             store = TurboKVStore(num_pages, PAGE, HEADS, 128, kind, kind, device, torch.bfloat16)
             pages_bytes = TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, kind, kind)
-            moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8  # bf16 K, V read; pages, slots
-            case = f"store {kind}, {TOKENS} tokens x {HEADS} heads, K+V, {pattern}"
-            if before is not None:
-                ms = time_ms(lambda _: before(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
-                                              store.k_offset), device=device)
-                rows.append(Row(case, ms, dense_ms, moved, "bf16 index_copy_ of K and V", "before (--before)"))
-                print(f"{case}: before {ms:.4f} ms", flush=True)
-            for launch in SETTINGS if pattern == "engine slots" else SETTINGS[:1]:
-                ms = time_ms(lambda _: store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt,
-                                                          store.k_offset, launch), device=device)
+            moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8 * 2  # bf16 K, V read; pages, slots, positions
+            offset = engine_key_offset(HEADS, 128, device, gen)
+            runs = [(launch, offset) for launch in (SETTINGS if pattern == "engine slots" else SETTINGS[:1])]
+            for launch, key_offset in runs + [(STORE_LAUNCH, None)]:
+                case = f"store {kind}, {TOKENS} tokens x {HEADS} heads, K+V, {pattern}, " + (
+                    "key offset" if key_offset is not None else "plain format")
+                ms = time_ms(lambda _: store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs,
+                                                          store.inv_sqrt, key_offset, launch), device=device)
                 fields = launch.__dataclass_fields__
                 note = (f"default {launch}" if launch == STORE_LAUNCH else ", ".join(
                     f"{f}={getattr(launch, f)}" for f in fields if getattr(launch, f) != getattr(STORE_LAUNCH, f)))
@@ -121,14 +111,13 @@ def timings(device, copy_gbs: float, before) -> list[Row]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", help="an earlier quantize.py to time beside the current one")
     parser.add_argument("--no-record", action="store_true", help="print without writing docs/BENCHMARKS.md")
     args = parser.parse_args()
     device = require_gpu()
     copy_gbs = copy_bandwidth_gbs(device)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     failures = check(device)
-    rows = timings(device, copy_gbs, _load_before(args.before) if args.before else None)
+    rows = timings(device, copy_gbs)
     status = "all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {', '.join(failures)}"
     report(f"Turbo store kernel settings ({status})", rows, copy_gbs, command_line("bench/turbo_store_sweep.py", None),
            device=device, doc_path=None if args.no_record else BENCHMARKS_DOC)

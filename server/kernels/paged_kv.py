@@ -48,8 +48,9 @@ class KVLayerStore(Protocol):
 
     page_size: int
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store k, v [T, kv_heads, head_dim] at the given slots."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at the given slots; ``positions`` [T] are the tokens' positions
+        (a turbo K store quantizes k minus an offset that depends on them)."""
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, q_heads, head_dim] -> attention output of the same shape and dtype."""
@@ -120,7 +121,7 @@ class DenseKVStore:
         meaning as ``write`` (gemv.linear_rope): the decode step then spends no launch on the cache write."""
         return self.k_pages, self.v_pages
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
         if use_triton(k):
             from server.kernels.dense_attention import write_kv_pages  # Triton only where it runs
 

@@ -1,13 +1,12 @@
-"""Key offsets for turbo K caches: the mean key of each (layer, KV head), measured once at start-up.
+"""Key offsets for turbo K caches (server/kernels/turbo/key_offset.py), measured once at start-up.
 
-TurboKVStore quantizes k - m instead of k (its docstring says why attention is unchanged).
-Real keys share a large direction per head (on SmolLM2-135M the mean key is about 80% of a
-key's length), and the quantizer's error is relative to the whole vector, so subtracting
-the mean leaves the quantizer only the part that tells tokens apart. m is the mean of the
-post-RoPE keys of one forward pass over CALIBRATION_TEXT with a dense cache in the model's
-own dtype: fixed per model (never per batch or sequence, so batch invariance holds),
-deterministic, and one short prefill at start-up. The first token is left out: it is the
-attention sink, whose key is unlike the others.
+A turbo K store quantizes k - o(p), o(p) = RoPE(p) mean for p >= 1 and o(0) = sink. Both come
+from one forward pass over CALIBRATION_TEXT with a dense cache in the model's own dtype: the
+keys it writes are turned back to position 0 (RoPE(-p) k, which undoes the model's rotation)
+and averaged, leaving out the first token, the attention sink, whose key is unlike the others
+and becomes the sink offset itself. Fixed per model (never per batch or sequence, so batch
+invariance holds), deterministic, and one short prefill at start-up. A model without RoPE
+(``rope_inv_freq`` all zero) gets the plain mean key.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import logging
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
+from server.kernels.turbo.key_offset import KeyOffset, rope_turn
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +53,19 @@ class _KeyRecorder:
     def __init__(self, store: DenseKVStore):
         self.store, self.page_size, self.keys = store, store.page_size, None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
         self.keys = k.float()
-        self.store.write(k, v, slot_mapping)
+        self.store.write(k, v, slot_mapping, positions)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self.store.attend(q, meta, scale)
 
 
 @torch.inference_mode()
-def mean_keys(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
-              device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the mean key, float32 [kv_heads, D],
-    over all tokens but the first."""
+def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
+                device: torch.device, dtype: torch.dtype) -> list[KeyOffset]:
+    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset: float32 [kv_heads, D]
+    mean of the keys turned back to position 0 over all tokens but the first, and the first token's key."""
     n = len(token_ids)
     if n <= SKIPPED_TOKENS:
         raise ValueError(f"key calibration needs more than {SKIPPED_TOKENS} tokens, got {n}")
@@ -79,21 +79,25 @@ def mean_keys(model, token_ids: list[int], num_layers: int, num_kv_heads: int, h
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
         seq_lens_cpu=[n], query_lens_cpu=[n],
     )  # fmt: skip
-    ids = torch.tensor(token_ids, device=device)
-    model.forward(ids, torch.arange(n, device=device), recorders, meta)
-    return [r.keys[SKIPPED_TOKENS:].mean(0) for r in recorders]
+    positions = torch.arange(n, device=device)
+    model.forward(torch.tensor(token_ids, device=device), positions, recorders, meta)
+    inv_freq = model.rope_inv_freq().to(device, torch.float32)
+    back = -positions[SKIPPED_TOKENS:]
+    return [KeyOffset(rope_turn(r.keys[SKIPPED_TOKENS:], back, inv_freq).mean(0), r.keys[0].clone(), inv_freq)
+            for r in recorders]
 
 
 def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
                           device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
-    """Measure the mean keys on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
-    store its layer's offset (TurboKVStore.set_k_offset). Call before anything is written."""
+    """Measure the key offsets on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
+    store its layer's (TurboKVStore.set_key_offset). Call before anything is written."""
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
-    offsets = mean_keys(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
+    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
     for store, offset in zip(stores, offsets):
-        store.set_k_offset(offset)
-    norms = torch.stack([o.norm(dim=-1) for o in offsets])  # [layers, kv_heads]
+        store.set_key_offset(offset)
+    norms = torch.stack([o.mean.norm(dim=-1) for o in offsets])  # [layers, kv_heads]
     log.info(
-        "turbo K offsets: mean key per layer and KV head over %d calibration tokens; |m| min %.3g, mean %.3g, max %.3g",
+        "turbo K offsets: mean key before RoPE per layer and KV head over %d calibration tokens, and the sink key; "
+        "|mean| min %.3g, mean %.3g, max %.3g",
         len(token_ids) - SKIPPED_TOKENS, norms.min().item(), norms.mean().item(), norms.max().item(),
     )  # fmt: skip

@@ -187,7 +187,7 @@ def test_dense_store_fast_path_matches_reference_path(monkeypatch):
     for fast in (False, True):
         monkeypatch.setattr(paged_kv, "use_triton", lambda t, fast=fast: fast)
         store = DenseKVStore(int(meta.block_tables.max()) + 1, PAGE, 2, 64, torch.float16, "cpu")
-        store.write(k, v, meta.slot_mapping)
+        store.write(k, v, meta.slot_mapping, torch.tensor([*range(23), 3]))
         stores[fast] = (store, store.attend(q, meta, 0.125))
     assert torch.equal(stores[True][0].k_pages, stores[False][0].k_pages), "fast write stored different K"
     assert_close(stores[True][1], stores[False][1], 3e-3, "store.attend fast vs reference")

@@ -83,11 +83,14 @@ class ToyModel(nn.Module):
             q = (h @ layer["q"].T).view(-1, c.num_heads, c.head_dim)
             k = (h @ layer["k"].T).view(-1, c.num_kv_heads, c.head_dim)
             v = (h @ layer["v"].T).view(-1, c.num_kv_heads, c.head_dim)
-            store.write(k, v, meta.slot_mapping)
+            store.write(k, v, meta.slot_mapping, positions)
             attn = store.attend(q, meta, c.head_dim**-0.5)
             x = x + attn.reshape(len(x), -1) @ layer["o"].T
             x = x + torch.relu(self._norm(x) @ layer["up"].T) @ layer["down"].T
         return x
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        return torch.zeros(self.config.head_dim // 2)  # learned positions, no RoPE: key offsets do not turn
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self._norm(hidden) @ self.unembed.T).float()

@@ -5,7 +5,9 @@ import torch
 from runtime_toy import ToyConfig, ToyLoaded, ToyModel, make_engine
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.store import TurboKVStore
-from server.runtime.kv_calibration import CALIBRATION_TEXT, mean_keys
+from server.runtime.kv_calibration import CALIBRATION_TEXT, key_offsets
+from server.runtime.models import llama
+from server.runtime.models.config import ModelConfig
 from server.runtime.sequence import SamplingParams
 
 CONFIG = ToyConfig(head_dim=64)  # turbo needs head_dim % 64 == 0
@@ -18,15 +20,27 @@ class KeySpy(DenseKVStore):
         super().__init__(*args)
         self.keys = []
 
-    def write(self, k, v, slot_mapping):
+    def write(self, k, v, slot_mapping, positions):
         self.keys.append(k.clone())
-        super().write(k, v, slot_mapping)
+        super().write(k, v, slot_mapping, positions)
 
 
-def spied_mean_keys(model, ids):
-    """The definition, computed apart: run the model over ``ids`` in 16-token chunks, average keys 1..n-1."""
-    n, c = len(ids), CONFIG
-    spies = [KeySpy(-(-n // 16), 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu") for _ in range(c.num_layers)]
+def tiny_rope_model():
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=100.0, rope_scaling=None,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return llama.CausalLM(cfg).eval(), cfg
+
+
+def spied_offsets(model, cfg, ids):
+    """The definition, computed apart: run the model over ``ids`` in 16-token chunks, turn each written key
+    back to position 0 with complex numbers (pair f = (f, f + D/2) times e^(-i p theta_f)), average keys
+    1..n-1; the sink is key 0 as written."""
+    n, d = len(ids), cfg.head_dim
+    spies = [KeySpy(-(-n // 16), 16, cfg.num_kv_heads, d, torch.float32, "cpu") for _ in range(cfg.num_layers)]
     table = torch.arange(-(-n // 16), dtype=torch.int32)[None]
     with torch.no_grad():
         for start in range(0, n, 16):  # chunked prefill: the keys must not depend on how the text is cut
@@ -34,21 +48,27 @@ def spied_mean_keys(model, ids):
             meta = AttentionMetadata(torch.arange(start, end), table, torch.tensor([end], dtype=torch.int32),
                                      torch.tensor([0, end - start], dtype=torch.int32), [end], [end - start])
             model.forward(torch.tensor(ids[start:end]), torch.arange(start, end), spies, meta)
-    return [torch.cat(s.keys)[1:].double().mean(0) for s in spies]
+    theta = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    back = torch.polar(torch.ones(n, d // 2, dtype=torch.float64), -torch.arange(n)[:, None].double() * theta)
+    out = []
+    for spy in spies:
+        k = torch.cat(spy.keys).double()
+        turned = torch.complex(k[..., : d // 2], k[..., d // 2 :]) * back[:, None]
+        out.append((torch.cat([turned.real, turned.imag], -1)[1:].mean(0), k[0]))
+    return out
 
 
-def test_mean_keys_is_the_mean_key_after_the_first_token_and_deterministic():
-    model = ToyModel(CONFIG, seed=3)
-    ids = list(CALIBRATION_TEXT.encode())[:100]
-    first = mean_keys(model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, torch.device("cpu"),
-                      torch.float32)
-    again = mean_keys(model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, torch.device("cpu"),
-                      torch.float32)
-    want = spied_mean_keys(model, ids)
-    for layer, (m, m_again, m_want) in enumerate(zip(first, again, want)):
-        assert m.shape == (CONFIG.num_kv_heads, CONFIG.head_dim) and m.dtype == torch.float32
-        assert torch.equal(m, m_again), f"layer {layer}: calibration is not deterministic"
-        assert torch.allclose(m.double(), m_want, atol=1e-5), f"layer {layer}: not the mean of keys 1..n-1"
+def test_key_offsets_turn_the_keys_back_to_position_zero_and_keep_the_sink():
+    model, cfg = tiny_rope_model()
+    ids = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    first = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
+    again = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
+    for layer, (got, got_again, (mean, sink)) in enumerate(zip(first, again, spied_offsets(model, cfg, ids))):
+        assert got.mean.shape == (cfg.num_kv_heads, cfg.head_dim) and got.mean.dtype == torch.float32
+        assert torch.equal(got.mean, got_again.mean) and torch.equal(got.sink, got_again.sink), "not deterministic"
+        assert torch.allclose(got.mean.double(), mean, atol=1e-5), f"layer {layer}: not the mean turned-back key"
+        assert torch.allclose(got.sink.double(), sink, atol=1e-6), f"layer {layer}: the sink is not key 0"
+        assert torch.equal(got.inv_freq, model.rope_inv_freq())
 
 
 def test_turbo_engine_gives_every_store_its_layer_offset_and_dense_engines_none():
@@ -57,17 +77,20 @@ def test_turbo_engine_gives_every_store_its_layer_offset_and_dense_engines_none(
     try:
         turbo, dense = engines
         ids = list(CALIBRATION_TEXT.encode())[:128]  # the byte tokenizer, cut at max_model_len
-        want = mean_keys(loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim,
-                         torch.device("cpu"), torch.float32)
-        for store, m in zip(turbo.kv_cache.stores, want):
-            assert isinstance(store, TurboKVStore) and torch.equal(store.k_offset, m)
-        assert all(not hasattr(s, "k_offset") for s in dense.kv_cache.stores)
+        want = key_offsets(loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim,
+                           torch.device("cpu"), torch.float32)
+        for store, o in zip(turbo.kv_cache.stores, want):
+            assert isinstance(store, TurboKVStore)
+            assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
+            assert store.key_offset.inv_freq.eq(0).all(), "the toy model has no RoPE: its offsets do not turn"
+        assert all(not hasattr(s, "key_offset") for s in dense.kv_cache.stores)
         # Same model, same text: a second turbo engine calibrates to the very same offsets.
         again = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
                             kv_cache_dtype_v="turbo2")
         engines.append(again)
         for a, b in zip(turbo.kv_cache.stores, again.kv_cache.stores):
-            assert torch.equal(a.k_offset, b.k_offset)
+            assert torch.equal(a.key_offset.mean, b.key_offset.mean)
+            assert torch.equal(a.key_offset.sink, b.key_offset.sink)
         out = turbo.generate(list(b"hello there"), SamplingParams(max_tokens=4, temperature=0.0))
         assert out.finish_reason == "length" and len(out.token_ids) == 4
     finally:

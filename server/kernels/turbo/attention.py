@@ -37,6 +37,7 @@ from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
@@ -338,30 +339,37 @@ def decoded_pages(pages: TurboPages, kind: str, page_ids: torch.Tensor, head_dim
 
 def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, k_kind: str,
                                  v_kind: str, meta: AttentionMetadata, scale: float,
-                                 fast: bool | None = None, page_dtype: torch.dtype | None = None) -> torch.Tensor:
+                                 key_offset: KeyOffset | None = None, fast: bool | None = None,
+                                 page_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend.
 
+    ``key_offset``: what the K pages lost before quantizing (key_offset.py); each decoded key gets
+    o(p) of its position p (= its block-table index * page_size + its row) back.
     ``fast`` picks the dense Triton attention over pages decoded to ``page_dtype`` (default q's
     dtype), by default when ``use_triton(q)``; tests force it on CPU. The reference decodes to float32.
     """
     page_size = k_pages.codes.shape[2]
-    used = [meta.block_tables[s, : -(-n // page_size)] for s, n in enumerate(meta.seq_lens_cpu)]
+    n_pages = [-(-n // page_size) for n in meta.seq_lens_cpu]
+    used = [meta.block_tables[s, :n] for s, n in enumerate(n_pages)]
     used = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=q.device)
     page_ids, compact = torch.unique(used, return_inverse=True)
     tables = torch.zeros_like(meta.block_tables)
     offset = 0
-    for s, n in enumerate(meta.seq_lens_cpu):
-        n_pages = -(-n // page_size)
-        tables[s, :n_pages] = compact[offset : offset + n_pages].to(tables.dtype)
-        offset += n_pages
+    for s, n in enumerate(n_pages):
+        tables[s, :n] = compact[offset : offset + n].to(tables.dtype)
+        offset += n
     head_dim = q.shape[-1]
     fast = use_triton(q) if fast is None else fast
     dtype = (page_dtype or q.dtype) if fast else torch.float32
-    k = decoded_pages(k_pages, k_kind, page_ids, head_dim, dtype)
+    k = decoded_pages(k_pages, k_kind, page_ids, head_dim, dtype if key_offset is None else torch.float32)
+    if key_offset is not None:  # a sequence owns its pages, so each page has one first position
+        first = torch.cat([torch.arange(n, device=q.device) * page_size for n in n_pages]) if n_pages else used
+        page_start = torch.zeros(len(page_ids), dtype=torch.long, device=q.device).scatter_(0, compact, first)
+        positions = (page_start[:, None] + torch.arange(page_size, device=q.device)).reshape(-1)
+        k = (k + key_offset_at(key_offset, positions).reshape(k.shape)).to(dtype)
     v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
     compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
                                      meta.seq_lens_cpu, meta.query_lens_cpu)
     if fast:
         return dense_paged_attention(q, k, v, compact_meta, scale)
     return paged_attention_reference(q, k, v, compact_meta, scale)
-

@@ -89,7 +89,8 @@ class RowLayout:
 def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
     """Pack the values of the last dim into 32-bit words of ``width``-bit fields (the layout above) as bytes."""
     per_word = 32 // width
-    f = fields.to(torch.int64).reshape(*fields.shape[:-1], -1, per_word // 8, 8)  # [..., word, field, nibble]
+    words = fields.shape[-1] // per_word  # named, not -1: a batch of zero rows must reshape too
+    f = fields.to(torch.int64).reshape(*fields.shape[:-1], words, per_word // 8, 8)  # [..., word, field, nibble]
     shifts = 4 * torch.arange(8, device=fields.device) + width * torch.arange(per_word // 8, device=fields.device)[:, None]
     words = (f << shifts).sum((-1, -2))
     return ((words[..., None] >> (8 * torch.arange(4, device=fields.device))) & 0xFF).to(torch.uint8).flatten(-2)

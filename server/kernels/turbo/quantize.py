@@ -3,7 +3,7 @@
 Per (token, KV head) row and per group (format.py): norm n, rotate (rotation.py's butterflies),
 nearest centroid, norm correction n / ||c||, pack (codes.store_indices), and scatter to the
 token's slot. Program axis 1 picks K (0) or V (1), whose kinds may differ. Keys first lose their
-head's offset (TurboKVStore.k_offset): what is quantized is k - m.
+offset o(p) (key_offset.py, computed here from the token's position): what is quantized is k - o(p).
 
 Where the instructions go (sm_90 SASS per stored value: `python bench/turbo_store_sass.py`): the
 rotation's butterflies are the floor; everything else is kept to a few selects per value:
@@ -36,6 +36,7 @@ from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
+from server.kernels.turbo.key_offset import KeyOffset
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,20 @@ def _tie_magnitude(y):
 
 
 @triton.jit
-def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr, offset_ptr,
-                   first_ptr, second_ptr, inv_sqrt, n_rows,
+def _offset_values(mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: tl.constexpr):
+    """o(p) at dims d [R, C] of rows of KV head ``head`` [R] at positions p [R, 1] (key_offset.key_offset_at):
+    RoPE's rotate-half pairs (d, d +- D/2) turned by the angle whose cos/sin are given; the sink at p == 0."""
+    HALF_D: tl.constexpr = D // 2
+    at = head[:, None] * D
+    mean = tl.load(mean_ptr + at + d, mask=ok[:, None], other=0.0)
+    partner = tl.load(mean_ptr + at + (d + HALF_D) % D, mask=ok[:, None], other=0.0)
+    turned = mean * cos + tl.where(d < HALF_D, -partner, partner) * sin
+    return tl.where(p == 0, tl.load(sink_ptr + at + d, mask=ok[:, None], other=0.0), turned)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
+                   mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                    STAGES: tl.constexpr):
@@ -163,10 +176,19 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
         c = tl.arange(0, G2)[None, :]
         lo = tl.load(x_ptr + base[:, None] + c, mask=ok[:, None], other=0.0).to(tl.float32)
         hi = tl.load(x_ptr + base[:, None] + G2 + c, mask=ok[:, None], other=0.0).to(tl.float32)
-        if HAS_OFFSET:  # offset_ptr: float32 [H, D], one vector per KV head
-            obase = head * D + rg % NG * G
-            lo -= tl.load(offset_ptr + obase[:, None] + c, mask=ok[:, None], other=0.0)
-            hi -= tl.load(offset_ptr + obase[:, None] + G2 + c, mask=ok[:, None], other=0.0)
+        if HAS_OFFSET:  # k - o(p): mean and sink float32 [H, D], inv_freq [D / 2]
+            d_lo = (rg % NG * G)[:, None] + c
+            d_hi = d_lo + G2
+            p = tl.load(pos_ptr + tok, mask=rg // NG < n_rows, other=0).to(tl.float32)[:, None]
+            angle = p * tl.load(inv_freq_ptr + d_lo % (D // 2))
+            cos_lo, sin_lo = tl.cos(angle), tl.sin(angle)
+            if NG == 1:  # the half groups are RoPE's pairs: one angle for both
+                cos_hi, sin_hi = cos_lo, sin_lo
+            else:
+                angle = p * tl.load(inv_freq_ptr + d_hi % (D // 2))
+                cos_hi, sin_hi = tl.cos(angle), tl.sin(angle)
+            lo -= _offset_values(mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
+            hi -= _offset_values(mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
         n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
         # rotation.rotate_rows in two halves: y = n * rotate(x / n), the rotation being linear
         lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2,
@@ -195,28 +217,28 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, codes_ptr, norms_ptr, mi
 
 
 @triton.jit
-def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slot_ptr,
-                  k_codes, k_norms, k_mid, k_cent, k_offset, v_codes, v_norms, v_mid, v_cent,
+def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr,
+                  k_codes, k_norms, k_mid, k_cent, k_mean, k_sink, inv_freq, v_codes, v_norms, v_mid, v_cent,
                   first_ptr, second_ptr, inv_sqrt, n_rows,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   K_OFFSET: tl.constexpr, STAGES: tl.constexpr):
     if tl.program_id(1) == 0:
-        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, k_codes, k_norms, k_mid, k_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET,
-                       STAGES)
+        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_mean,
+                       k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
+                       K_BITS, K_OFFSET, STAGES)
     else:
-        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, v_codes, v_norms, v_mid, v_cent, k_offset,
-                       first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, False,
-                       STAGES)
+        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_mean,
+                       k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
+                       V_BITS, False, STAGES)
 
 
-def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pages: TurboPages,
-                       v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                       k_offset: torch.Tensor | None = None, launch: StoreLaunch = STORE_LAUNCH) -> None:
-    """Quantize k - k_offset and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch for both.
-
-    ``k_offset``: float32 [kv_heads, D], contiguous (TurboKVStore.k_offset); None: the spec's plain format.
+def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                       k_pages: TurboPages, v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor],
+                       inv_sqrt: float, key_offset: KeyOffset | None = None,
+                       launch: StoreLaunch = STORE_LAUNCH) -> None:
+    """Quantize k - o(positions) and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch
+    for both. ``key_offset`` (contiguous float32 tensors, TurboKVStore.key_offset); None: the spec's plain format.
     """
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -231,14 +253,15 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     else:
         programs = min(tiles, INTERPRETER_PROGRAMS)
     options = {} if launch.max_registers is None else {"maxnreg": launch.max_registers}
+    unused = k_pages.centroids  # any float32 pointer for the offset arguments: never read without K_OFFSET
+    offset = (unused, unused, unused) if key_offset is None else (key_offset.mean, key_offset.sink, key_offset.inv_freq)
     with timed("turbo_store", k.device):
         _store_kernel[(programs, 2)](
-            k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping,
-            k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids,
-            k_pages.centroids if k_offset is None else k_offset,  # never read without K_OFFSET
+            k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping, positions,
+            k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids, *offset,
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
             signs[0], signs[1], inv_sqrt, n_rows,
             H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=launch.rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
-            K_OFFSET=k_offset is not None, STAGES=launch.stages, num_warps=launch.num_warps, **options,
+            K_OFFSET=key_offset is not None, STAGES=launch.stages, num_warps=launch.num_warps, **options,
         )

@@ -5,14 +5,9 @@ Pages: codes [num_pages, kv_heads, page_size, row_bytes] uint8 and norms
 layout). A page's rows for one head are contiguous, so a decode program reads
 page_size * row_bytes consecutive bytes per page.
 
-Key offset: the store quantizes k - m, with m = ``k_offset`` (float32 [kv_heads, D], fixed
-for the store's life; zeros by default, which is the spec's plain format). Attention then
-sees k - m instead of k, which changes every score of a query row by the same <q, m>, and
-softmax (causal mask included) is blind to that: the output is that of the keys the pages
-stand for (decoded + m), and no attention kernel knows about m. It pays because real keys
-share a large common direction per head: subtracting it leaves the quantizer the part that
-differs between tokens (server/runtime/kv_calibration.py picks m; docs/BENCHMARKS.md has the
-perplexity).
+Key offset: K pages hold k - o(p), with o the position-turned offset of key_offset.py (None by
+default: the spec's plain format). server/runtime/kv_calibration.py measures it per layer at
+start-up and sets it before anything is written; every attention path adds it back.
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_t
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
 
 
@@ -62,18 +58,24 @@ class TurboKVStore:
         group = group_size(head_dim)
         self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
         self.inv_sqrt = inv_sqrt_group(group)
-        self.k_offset = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
+        self.key_offset: KeyOffset | None = None
 
-    def set_k_offset(self, offset: torch.Tensor) -> None:
-        """Quantize k - offset from now on ([kv_heads, D], finite). Set it before the first write:
-        pages written earlier hold k minus the old offset, and one sequence must not mix the two
-        (softmax is blind to one shift per row, not to a different shift per key)."""
-        if tuple(offset.shape) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"k_offset must have shape [{self.num_kv_heads}, {self.head_dim}] (kv_heads, head_dim), "
-                             f"got {tuple(offset.shape)}")
-        if not torch.isfinite(offset).all():
-            raise ValueError("k_offset must be finite; a NaN or infinity would poison every key it is subtracted from")
-        self.k_offset.copy_(offset)  # in place: captured CUDA graphs keep reading this tensor
+    def set_key_offset(self, offset: KeyOffset) -> None:
+        """Quantize k - o(p) from now on. Set it before the first write: pages written earlier hold k
+        minus the old offset, and attention adds back only the current one."""
+        shapes = {"mean": (self.num_kv_heads, self.head_dim), "sink": (self.num_kv_heads, self.head_dim),
+                  "inv_freq": (self.head_dim // 2,)}
+        for name, shape in shapes.items():
+            t = getattr(offset, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"key offset {name} must have shape {list(shape)}, got {list(t.shape)}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"key offset {name} must be finite; a NaN or infinity would poison every key")
+        if self.key_offset is None:
+            self.key_offset = KeyOffset(*(torch.empty(shapes[n], dtype=torch.float32, device=self.k.codes.device)
+                                          for n in shapes))
+        for name in shapes:  # in place: captured CUDA graphs keep reading these tensors
+            getattr(self.key_offset, name).copy_(getattr(offset, name))
 
     @staticmethod
     def bits_per_value(kind: str) -> float:
@@ -90,18 +92,21 @@ class TurboKVStore:
         if t.dim() != 3 or tuple(t.shape[1:]) != want or (tokens is not None and t.shape[0] != tokens):
             raise ValueError(f"{name} must have shape [tokens, {want[0]}, {want[1]}], got {tuple(t.shape)}")
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
         self._check("k", k)
         self._check("v", v, k.shape[0])
-        if slot_mapping.shape != (k.shape[0],):
-            raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {tuple(slot_mapping.shape)}")
+        for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
+            if t.shape != (k.shape[0],):
+                raise ValueError(f"{name} must have one entry per token ({k.shape[0]}), got {tuple(t.shape)}")
         if use_triton(k):
-            store_turbo_triton(k, v, slot_mapping, self.k, self.v, self.signs, self.inv_sqrt, self.k_offset)
+            store_turbo_triton(k, v, slot_mapping, positions, self.k, self.v, self.signs, self.inv_sqrt,
+                               self.key_offset)
             return
         keep = slot_mapping >= 0  # a negative slot marks a padding token
         slots = slot_mapping[keep].long()
         page, offset = slots // self.page_size, slots % self.page_size
-        for pages, kind, x in ((self.k, self.k_kind, k.float() - self.k_offset), (self.v, self.v_kind, v)):
+        keys = k.float() if self.key_offset is None else k.float() - key_offset_at(self.key_offset, positions)
+        for pages, kind, x in ((self.k, self.k_kind, keys), (self.v, self.v_kind, v)):
             codes, norms = quantize_reference(x[keep], kind)
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms
@@ -110,7 +115,7 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
-        if use_triton(q) and meta.is_decode_only:
+        if use_triton(q) and meta.is_decode_only and self.key_offset is None:
             return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale,
-                                            page_dtype=self.out_dtype)
+                                            self.key_offset, page_dtype=self.out_dtype)

@@ -124,7 +124,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         if not written:
-            kv.write(k, v, meta.slot_mapping)
+            kv.write(k, v, meta.slot_mapping, positions)
         out = kv.attend(q, meta, self.scale)
         with timed("o_proj", x.device):
             return linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
@@ -179,6 +179,10 @@ class CausalLM(nn.Module):
         for layer, store in zip(self.layers, kv):
             x, residual = layer(x, residual, positions, store, meta)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """RoPE's frequencies [head_dim / 2] (one rotary embedding serves every layer)."""
+        return self.layers[0].self_attn.rotary.inv_freq
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (only the rows that need logits) -> float32 logits [N, vocab]."""

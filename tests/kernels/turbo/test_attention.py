@@ -61,7 +61,7 @@ def scenario(seq_lens, q_lens, kv_heads, gqa, head_dim, k_kind, v_kind, seed=0):
         tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
         slots = tables[s, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE
         k = torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.5
-        store.write(k, torch.randn(n, kv_heads, head_dim, generator=gen), slots)
+        store.write(k, torch.randn(n, kv_heads, head_dim, generator=gen), slots, torch.arange(n))
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, torch.tensor(seq_lens, dtype=torch.int32),
                              starts, list(seq_lens), list(q_lens))
@@ -162,7 +162,7 @@ def test_split_count_fills_the_gpu_without_needlessly_short_splits(monkeypatch, 
 def test_negative_slots_store_nothing():
     store = TurboKVStore(2, PAGE, 1, 64, "turbo4", "turbo4", "cpu", torch.float32)
     x = torch.randn(3, 1, 64)
-    store_turbo_triton(x, x, torch.tensor([-1, 5, -1]), store.k, store.v, store.signs, store.inv_sqrt)
+    store_turbo_triton(x, x, torch.tensor([-1, 5, -1]), torch.arange(3), store.k, store.v, store.signs, store.inv_sqrt)
     written = store.k.norms.reshape(-1) != 0
     assert written.nonzero().flatten().tolist() == [5]
 
@@ -191,12 +191,12 @@ def test_store_write_then_attend_through_the_store_api():
     table = torch.tensor([[2, 0]], dtype=torch.int32)
     slots = table[0, torch.arange(30) // PAGE].long() * PAGE + torch.arange(30) % PAGE
     whole = TurboKVStore(3, PAGE, 2, 64, "turbo3", "turbo4", "cpu", torch.float32)
-    whole.write(k, v, slots)
+    whole.write(k, v, slots, torch.arange(30))
     out_whole = whole.attend(q, AttentionMetadata(slots, table, torch.tensor([30]), torch.tensor([0, 30]), [30], [30]), 0.125)
     chunked = TurboKVStore(3, PAGE, 2, 64, "turbo3", "turbo4", "cpu", torch.float32)
-    chunked.write(k[:13], v[:13], slots[:13])
+    chunked.write(k[:13], v[:13], slots[:13], torch.arange(13))
     first = chunked.attend(q[:13], AttentionMetadata(slots[:13], table, torch.tensor([13]), torch.tensor([0, 13]), [13], [13]), 0.125)
-    chunked.write(k[13:], v[13:], slots[13:])
+    chunked.write(k[13:], v[13:], slots[13:], torch.arange(13, 30))
     second = chunked.attend(q[13:], AttentionMetadata(slots[13:], table, torch.tensor([30]), torch.tensor([0, 17]), [30], [17]), 0.125)
     assert_close(torch.cat([first, second]), out_whole.double(), 1e-6, "chunked vs whole prefill")
 
@@ -204,6 +204,8 @@ def test_store_write_then_attend_through_the_store_api():
 def test_bad_shapes_are_explained():
     store = TurboKVStore(2, PAGE, 2, 64, "turbo3", "turbo3", "cpu", torch.float32)
     with pytest.raises(ValueError, match=r"k must have shape \[tokens, 2, 64\]"):
-        store.write(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), torch.arange(3))
-    with pytest.raises(ValueError, match="one slot per token"):
-        store.write(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.arange(4))
+        store.write(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), torch.arange(3), torch.arange(3))
+    with pytest.raises(ValueError, match=r"slot_mapping must have one entry per token \(3\)"):
+        store.write(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.arange(4), torch.arange(3))
+    with pytest.raises(ValueError, match=r"positions must have one entry per token \(3\)"):
+        store.write(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.arange(3), torch.arange(2))

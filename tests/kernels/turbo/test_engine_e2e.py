@@ -10,7 +10,9 @@ from server.runtime.engine import Engine
 from server.runtime.models.loader import load_model
 from server.runtime.sequence import SamplingParams
 
-QUESTION = "What is the capital of France?"
+# Not "... of France?": the float32 model's first answer token there is a near tie ("The" 15.2 %, "L" 14.0 %),
+# so any KV error, even an improvement, may flip it; here the greedy answer has clear margins.
+QUESTION = "What is the capital of Japan?"
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +43,11 @@ def test_turbo4_greedy_matches_bf16_kv_for_the_first_tokens(loaded):
 
 def test_turbo3_answers_coherently_and_counts_its_real_bytes(loaded):
     text, _, engine = greedy(loaded, "turbo3", 16)
-    assert "Paris" in text, text
+    assert "Tokyo" in text, text
     # SmolLM2: 30 layers, 3 KV heads of 64 dims; turbo3 stores 24 index bytes + one fp16 norm per head, K and V.
     assert engine.kv_cache.bytes_per_token == 30 * 3 * 2 * 26
 
 
 def test_mixed_turbo4_keys_turbo3_values(loaded):
     text, _, _ = greedy(loaded, "auto", 16, kv_cache_dtype_k="turbo4", kv_cache_dtype_v="turbo3")
-    assert "Paris" in text, text
+    assert "Tokyo" in text, text

@@ -135,7 +135,7 @@ def test_store_kernel_matches_the_reference_quantizer(head_dim, k_kind, v_kind):
     kp, vp = (pages_for(kind, num_pages, page_size, heads, head_dim) for kind in (k_kind, v_kind))
     group = group_size(head_dim)
     signs = (sign_words_tensor(SIGNS1, "cpu"), sign_words_tensor(SIGNS2, "cpu"))
-    store_turbo_triton(k, v[:, :, :], slots, kp, vp, signs, inv_sqrt_group(group))
+    store_turbo_triton(k, v[:, :, :], slots, torch.arange(tokens), kp, vp, signs, inv_sqrt_group(group))
     for pages, kind, x in ((kp, k_kind, k), (vp, v_kind, v)):
         codes, norms = quantize_reference(x, kind)
         got_codes = pages.codes[slots // page_size, :, slots % page_size]

@@ -1,17 +1,19 @@
-"""Key offset (TurboKVStore.k_offset): the store quantizes k - m, and attention is blind to m.
+"""Key offset (key_offset.py): K pages hold k - o(p), and attention adds o(p) back.
 
-Every score of a query row moves by the same <q, m>, so softmax (causal mask included) gives the
-same output. The oracle below adds m back to the float64-decoded keys and attends over those, so
-it checks that claim for every attention path; the other tests check that the pages really hold
-k - m (not k + m, not k) and that this is what makes keys with a shared direction cheaper.
+o(p) = RoPE(p) mean for p >= 1, o(0) = sink. The oracle below turns the mean with complex
+numbers (an independent form of RoPE's rotate-half), adds o(p) to the float64-decoded keys
+and attends over those, so it checks every attention path; the other tests check that the
+pages hold k - o(p) (not k, not k + o, not the unturned mean) and that the turned offset is
+what makes RoPE keys with a shared direction cheaper.
 """
 
 import pytest
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
+from server.kernels.turbo.attention import attention_over_decoded_pages
 from server.kernels.turbo.format import dequantize_reference, quantize_reference, unpack_indices
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 from test_attention import attention64, decode64
@@ -19,28 +21,70 @@ from test_attention import attention64, decode64
 PAGE = 16
 
 
-def shared_direction_keys(n, kv_heads, head_dim, direction, gen):
-    """Keys like real ones: a large per-head direction every token shares, plus what differs per token."""
-    return direction + torch.randn(n, kv_heads, head_dim, generator=gen)
+def inv_freq(head_dim, theta=10000.0):
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
 
 
-def filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, offset, direction, seed):
-    """A store (k_offset = ``offset``) holding each sequence in shuffled pages; also the keys written."""
+def offset64(mean, sink, freqs, positions):
+    """o(p) in float64 through complex numbers: pair f is mean[f] + i mean[f + D/2], times e^(i p theta_f)."""
+    half = mean.shape[-1] // 2
+    pairs = torch.complex(mean[..., :half].double(), mean[..., half:].double())  # [H, D/2]
+    turn = torch.polar(torch.ones(len(positions), half, dtype=torch.float64),
+                       positions.double()[:, None] * freqs.double()[None])  # [T, D/2]
+    turned = pairs[None] * turn[:, None]  # [T, H, D/2]
+    out = torch.cat([turned.real, turned.imag], dim=-1)
+    return torch.where((positions == 0)[:, None, None], sink.double()[None], out)
+
+
+def random_offset(kv_heads, head_dim, gen, scale=3.0):
+    """A mean as long as a key, a sink unlike it, RoPE's frequencies (float32, as a store keeps them)."""
+    mean = torch.randn(kv_heads, head_dim, generator=gen) * scale
+    sink = torch.randn(kv_heads, head_dim, generator=gen) * scale
+    return KeyOffset(mean, sink, inv_freq(head_dim).float())
+
+
+def rope_keys(n, kv_heads, head_dim, offset, gen, first=0):
+    """Keys like real ones: RoPE(p) (shared direction + what differs per token), the sink's own key at p == 0."""
+    positions = torch.arange(first, first + n)
+    noise = torch.randn(n, kv_heads, head_dim, generator=gen)
+    return (key_offset_at(offset, positions) + noise).float(), positions
+
+
+def filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, offset, seed, store_offset="same"):
+    """A store holding each sequence's keys (shared direction ``offset``, rope_keys) in shuffled pages, written
+    in two chunks; also the block tables and the keys written. The store subtracts ``offset`` unless
+    ``store_offset`` names another (None: the plain format)."""
     gen = torch.Generator().manual_seed(seed)
     pages_needed = [-(-n // PAGE) for n in seq_lens]
     num_pages = sum(pages_needed) + 2
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
     store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
-    store.set_k_offset(offset)
+    store_offset = offset if store_offset == "same" else store_offset
+    if store_offset is not None:
+        store.set_key_offset(store_offset)
     keys = []
     for s, n in enumerate(seq_lens):
         tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
-        slots = tables[s, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE
-        k = shared_direction_keys(n, kv_heads, head_dim, direction, gen)
-        store.write(k, torch.randn(n, kv_heads, head_dim, generator=gen), slots)
+        k, positions = rope_keys(n, kv_heads, head_dim, offset, gen)
+        slots = tables[s, positions // PAGE].long() * PAGE + positions % PAGE
+        v = torch.randn(n, kv_heads, head_dim, generator=gen)
+        cut = n // 2  # chunked prefill: the second chunk's positions do not start at 0
+        store.write(k[:cut], v[:cut], slots[:cut], positions[:cut])
+        store.write(k[cut:], v[cut:], slots[cut:], positions[cut:])
         keys.append(k)
     return store, tables, keys
+
+
+def represented_keys(store, tables, seq_lens):
+    """What the store stands for: decoded pages plus o(p) of each row's position, float64 [pages, page, heads, D]."""
+    k = decode64(store.k, store.head_dim).clone()
+    o = store.key_offset
+    for s, n in enumerate(seq_lens):
+        positions = torch.arange(n)
+        pages, rows = tables[s, positions // PAGE].long(), positions % PAGE
+        k[pages, rows] += offset64(o.mean, o.sink, o.inv_freq, positions)
+    return k
 
 
 def step(tables, seq_lens, q_lens, q_heads, head_dim, seed):
@@ -51,103 +95,127 @@ def step(tables, seq_lens, q_lens, q_heads, head_dim, seed):
     return meta, q
 
 
-def represented_keys(store):
-    """What the store stands for: its decoded pages plus the offset, float64 [pages, page, heads, D]."""
-    return decode64(store.k, store.head_dim) + store.k_offset.double()
-
-
 def assert_close(got, want, tol, what):
     err = (got.double() - want).abs().max().item()
     assert err < tol, f"{what}: max abs error {err:.3g} >= {tol}"
 
 
-@pytest.mark.parametrize("head_dim,gqa,k_kind,v_kind", [(64, 3, "turbo3", "turbo3"), (128, 1, "turbo4", "turbo2")])
-def test_attention_is_blind_to_the_offset_on_every_path(head_dim, gqa, k_kind, v_kind):
-    kv_heads = 2
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_key_offset_at_is_the_turned_mean_and_the_sink_at_zero(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
-    direction = torch.randn(kv_heads, head_dim, generator=gen) * 3  # |m| ~ 3 sqrt(D): q.m moves scores by tens
-    offset = direction + 0.5 * torch.randn(kv_heads, head_dim, generator=gen)  # calibrated, not exact
+    offset = random_offset(3, head_dim, gen)
+    positions = torch.tensor([0, 1, 2, 17, 1000, 65535])
+    got = key_offset_at(offset, positions)
+    want = offset64(offset.mean, offset.sink, offset.inv_freq, positions)
+    assert got.dtype == torch.float32 and got.shape == (6, 3, head_dim)
+    # float32 angles p * theta round by up to half an ulp of p (3.9e-3 rad at 65535): as the model's own RoPE
+    assert_close(got[:5], want[:5], 1e-3, "o(p) up to position 1000")
+    assert_close(got[5:], want[5:], 0.05, "o(65535)")
+    assert torch.equal(got[0], offset.sink), "position 0 is the sink's own key"
+    assert torch.allclose(got[:, 0].norm(dim=-1)[1:], offset.mean[0].norm().expand(5), rtol=1e-5), "RoPE keeps |mean|"
+
+
+@pytest.mark.parametrize("head_dim,gqa,k_kind,v_kind", [(64, 3, "turbo3", "turbo3"), (128, 1, "turbo4", "turbo2")])
+def test_attention_adds_the_offset_back_on_every_path(head_dim, gqa, k_kind, v_kind):
+    kv_heads = 2
+    offset = random_offset(kv_heads, head_dim, torch.Generator().manual_seed(head_dim))
     seq_lens = [1, PAGE + 1, 45]
-    store, tables, _ = filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, offset, direction, seed=1)
+    store, tables, _ = filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, offset, seed=1)
     scale = head_dim**-0.5
-    v64 = decode64(store.v, head_dim)
+    k64, v64 = represented_keys(store, tables, seq_lens), decode64(store.v, head_dim)
 
     meta, q = step(tables, seq_lens, [1, 1, 1], kv_heads * gqa, head_dim, seed=2)
-    want = attention64(q, represented_keys(store), v64, meta, scale)
-    assert_close(store.attend(q, meta, scale), want, 2e-5, "reference decode step")
-    fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt, num_splits=2)
-    assert_close(fused, want, 2e-5, "fused Triton decode")
+    assert_close(store.attend(q, meta, scale), attention64(q, k64, v64, meta, scale), 2e-5, "reference decode step")
 
     meta, q = step(tables, seq_lens, [1, 7, 45], kv_heads * gqa, head_dim, seed=3)  # chunked and whole prefill
-    want = attention64(q, represented_keys(store), v64, meta, scale)
+    want = attention64(q, k64, v64, meta, scale)
     assert_close(store.attend(q, meta, scale), want, 2e-5, "reference prefill")
-    dense = attention_over_decoded_pages(q, store.k, store.v, k_kind, v_kind, meta, scale, fast=True)
+    dense = attention_over_decoded_pages(q, store.k, store.v, k_kind, v_kind, meta, scale, store.key_offset, fast=True)
     assert_close(dense, want, 2e-5, "dense Triton prefill over decoded pages")
 
 
-def test_pages_hold_the_key_minus_the_offset():
-    """Decoded pages plus m give back the key within the quantizer's error on k - m (a sign slip would not)."""
-    gen = torch.Generator().manual_seed(4)
-    direction = torch.randn(2, 64, generator=gen) * 4
-    store, tables, keys = filled_store([40], 2, 64, "turbo3", "turbo3", direction, direction, seed=5)
-    slots = tables[0, torch.arange(40) // PAGE].long() * PAGE + torch.arange(40) % PAGE
+def test_pages_hold_the_key_minus_its_turned_offset():
+    """Decoded pages plus o(p) give back the key within the quantizer's error on k - o(p)."""
+    offset = random_offset(2, 64, torch.Generator().manual_seed(4), scale=4.0)
+    store, tables, keys = filled_store([40], 2, 64, "turbo3", "turbo3", offset, seed=5)
+    positions = torch.arange(40)
+    slots = tables[0, positions // PAGE].long() * PAGE + positions % PAGE
     decoded = decode64(store.k, 64).reshape(-1, 2, 64)[slots]  # [40, heads, D]: pages are [page, slot, heads, D]
     k = keys[0].double()
-    residual = k - direction.double()
-    relative = ((decoded + direction.double() - k).pow(2).sum(-1) / residual.pow(2).sum(-1)).mean().item()
-    assert relative < 0.05, f"turbo3 error relative to |k - m|^2 is {relative:.3f}; the pages do not hold k - m"
+    o = offset64(offset.mean, offset.sink, offset.inv_freq, positions)
+    relative = ((decoded + o - k).pow(2).sum(-1) / (k - o).pow(2).sum(-1)).mean().item()
+    assert relative < 0.05, f"turbo3 error relative to |k - o(p)|^2 is {relative:.3f}; the pages do not hold k - o(p)"
 
 
-def test_offset_cuts_the_attention_error_for_keys_with_a_shared_direction():
-    """The point of the offset: vs exact attention over the unquantized keys, the offset store is closer."""
-    kv_heads, head_dim = 2, 64
-    gen = torch.Generator().manual_seed(6)
-    direction = torch.randn(kv_heads, head_dim, generator=gen) * 3
+def test_turned_offset_cuts_the_attention_error_for_rope_keys():
+    """The point of the offset: against exact attention over the unquantized keys, a store with the turned
+    offset is closer than the plain format and than the same mean left unturned."""
+    kv_heads, head_dim, n = 2, 64, 60
+    offset = random_offset(kv_heads, head_dim, torch.Generator().manual_seed(6))
+    unturned = KeyOffset(offset.mean, offset.sink, torch.zeros_like(offset.inv_freq))
     errors = {}
-    for name, offset in (("plain", torch.zeros(kv_heads, head_dim)), ("offset", direction)):
-        store, tables, keys = filled_store([60], kv_heads, head_dim, "turbo3", "turbo3", offset, direction, seed=7)
-        slots = tables[0, torch.arange(60) // PAGE].long() * PAGE + torch.arange(60) % PAGE
+    for name, store_offset in (("plain", None), ("unturned", unturned), ("turned", offset)):
+        store, tables, keys = filled_store([n], kv_heads, head_dim, "turbo3", "turbo3", offset, 7, store_offset)
+        positions = torch.arange(n)
+        slots = tables[0, positions // PAGE].long() * PAGE + positions % PAGE
         exact_k = torch.zeros(store.k.codes.shape[0] * PAGE, kv_heads, head_dim, dtype=torch.float64)
         exact_k[slots] = keys[0].double()
-        exact_k = exact_k.reshape(-1, PAGE, kv_heads, head_dim)
-        meta, q = step(tables, [60], [60], kv_heads * 2, head_dim, seed=8)
-        want = attention64(q, exact_k, decode64(store.v, head_dim), meta, 0.125)  # same V: only K error counts
+        meta, q = step(tables, [n], [n], kv_heads * 2, head_dim, seed=8)
+        want = attention64(q, exact_k.reshape(-1, PAGE, kv_heads, head_dim), decode64(store.v, head_dim), meta, 0.125)
         errors[name] = (store.attend(q, meta, 0.125).double() - want).pow(2).mean().item()
-    assert errors["offset"] < errors["plain"] / 4, errors
+    assert errors["turned"] < errors["unturned"] / 2 and errors["turned"] < errors["plain"] / 4, errors
 
 
-@pytest.mark.parametrize("head_dim,k_kind,v_kind", [(64, "turbo3", "turbo4"), (128, "turbo4", "turbo2")])
+@pytest.mark.parametrize("head_dim,k_kind,v_kind", [(64, "turbo3", "turbo4"), (128, "turbo4", "turbo2"),
+                                                    (256, "turbo3", "turbo3")])
 def test_store_kernel_matches_the_reference_with_an_offset(head_dim, k_kind, v_kind):
-    """Triton store (interpreter) through the store's own offset vs quantize_reference(k - m) and plain v."""
+    """Triton store (interpreter) with the store's offset vs quantize_reference(k - o(p)) and plain v: positions
+    0 (the sink), small and large, in shuffled order, one padding token."""
     gen = torch.Generator().manual_seed(head_dim + 1)
     heads, tokens = 3, 37
     store = TurboKVStore(4, PAGE, heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
-    offset = torch.randn(heads, head_dim, generator=gen) * 5
-    store.set_k_offset(offset)
-    k = offset + torch.randn(tokens, heads, head_dim, generator=gen)
-    k[3] = offset  # k - m == 0: norm 0, index 0, like a zero key in the plain format
+    store.set_key_offset(random_offset(heads, head_dim, gen, scale=5.0))
+    positions = torch.cat([torch.tensor([0, 1, 5000]), torch.randperm(300, generator=gen)[: tokens - 3] + 2])
+    k = key_offset_at(store.key_offset, positions) + torch.randn(tokens, heads, head_dim, generator=gen)
+    k[3] = key_offset_at(store.key_offset, positions[3:4])[0]  # k - o(p) == 0: norm 0, index 0
     v = torch.randn(tokens, heads, head_dim, generator=gen) + 2.0  # V never loses an offset
     slots = torch.randperm(4 * PAGE, generator=gen)[:tokens]
-    store_turbo_triton(k, v, slots, store.k, store.v, store.signs, store.inv_sqrt, store.k_offset)
-    for pages, kind, x in ((store.k, k_kind, k - offset), (store.v, v_kind, v)):
-        codes, norms = quantize_reference(x, kind)
-        got_codes = pages.codes[slots // PAGE, :, slots % PAGE]
-        got_norms = pages.norms[slots // PAGE, :, slots % PAGE]
-        assert torch.allclose(got_norms.float(), norms.float(), rtol=2e-3, atol=0)
+    slots[9] = -1  # a padding token stores nothing
+    store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs, store.inv_sqrt, store.key_offset)
+    keep = slots >= 0
+    s = slots[keep]
+    exact = torch.ones(tokens, dtype=torch.bool)
+    exact[3] = False  # k - o(p) is float dust there: its indices are noise on either side
+    for pages, kind, x in ((store.k, k_kind, k - key_offset_at(store.key_offset, positions)), (store.v, v_kind, v)):
+        codes, norms = quantize_reference(x[keep], kind)
+        got_codes, got_norms = pages.codes[s // PAGE, :, s % PAGE], pages.norms[s // PAGE, :, s % PAGE]
+        rows = exact[keep]
+        assert torch.allclose(got_norms[rows].float(), norms[rows].float(), rtol=2e-3, atol=0)
         # Float sums in another order can move a value across a midpoint by an ulp; allow only that.
         mismatch = unpack_indices(got_codes, pages.bits, head_dim) != unpack_indices(codes, pages.bits, head_dim)
-        assert mismatch.float().mean() < 1e-3, mismatch.float().mean()
-    assert store.k.norms[slots[3] // PAGE, :, slots[3] % PAGE].eq(0).all()
-    decoded = dequantize_reference(store.k.codes[slots // PAGE, :, slots % PAGE],
-                                   store.k.norms[slots // PAGE, :, slots % PAGE], k_kind, head_dim)
-    assert (decoded + offset - k).norm() < (k - offset).norm() / 5, "Triton pages plus m must give back k"
+        assert mismatch[rows].float().mean() < 1e-3, mismatch[rows].float().mean()
+    assert store.k.norms[slots[3] // PAGE, :, slots[3] % PAGE].abs().max() < 1e-3, "k == o(p) must store ~norm 0"
+    written = torch.zeros(4 * PAGE, dtype=torch.bool)
+    written[s] = True
+    assert store.k.norms.transpose(1, 2).reshape(4 * PAGE, -1)[~written].eq(0).all(), "padding stored something"
+    decoded = dequantize_reference(store.k.codes[s // PAGE, :, s % PAGE], store.k.norms[s // PAGE, :, s % PAGE],
+                                   k_kind, head_dim)
+    o = key_offset_at(store.key_offset, positions[keep])
+    assert (decoded + o - k[keep]).norm() < (k[keep] - o).norm() / 5, "Triton pages plus o(p) must give back k"
 
 
-def test_default_offset_is_zero_and_bad_offsets_are_refused():
+def test_plain_format_by_default_and_bad_offsets_are_refused():
     store = TurboKVStore(2, PAGE, 2, 64, "turbo3", "turbo3", "cpu", torch.float32)
-    assert store.k_offset.shape == (2, 64) and store.k_offset.eq(0).all(), "default must be the spec's plain format"
-    with pytest.raises(ValueError, match=r"k_offset must have shape \[2, 64\]"):
-        store.set_k_offset(torch.zeros(64))
-    with pytest.raises(ValueError, match="finite"):
-        store.set_k_offset(torch.full((2, 64), float("nan")))
-    assert store.k_offset.eq(0).all(), "a refused offset must leave the old one in place"
+    assert store.key_offset is None, "default must be the spec's plain format"
+    good = random_offset(2, 64, torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match=r"key offset mean must have shape \[2, 64\]"):
+        store.set_key_offset(KeyOffset(good.mean[0], good.sink, good.inv_freq))
+    with pytest.raises(ValueError, match=r"key offset inv_freq must have shape \[32\]"):
+        store.set_key_offset(KeyOffset(good.mean, good.sink, good.inv_freq[:16]))
+    with pytest.raises(ValueError, match="key offset sink must be finite"):
+        store.set_key_offset(KeyOffset(good.mean, torch.full((2, 64), float("nan")), good.inv_freq))
+    assert store.key_offset is None, "a refused offset must leave the store as it was"
+    store.set_key_offset(good)
+    kept = store.key_offset.mean
+    store.set_key_offset(KeyOffset(good.mean * 2, good.sink, good.inv_freq))
+    assert store.key_offset.mean is kept and torch.equal(kept, good.mean * 2), "offsets are replaced in place"

@@ -71,7 +71,7 @@ def test_every_cell_and_both_sides_of_every_midpoint(head_dim, kind, dtype):
     slots = torch.randperm(store.k.codes.shape[0] * PAGE, generator=gen)[:tokens]
     k = x.to(dtype).reshape(tokens, 1, head_dim)
 
-    store_turbo_triton(k, k, slots, store.k, store.v, store.signs, inv_sqrt_group(group))
+    store_turbo_triton(k, k, slots, torch.arange(tokens), store.k, store.v, store.signs, inv_sqrt_group(group))
     got = unpack_indices(store.k.codes[slots // PAGE, 0, slots % PAGE], bits, head_dim)
     want = expected_indices(u, bits, group)
     wrong = (got != want).nonzero().tolist()
@@ -90,7 +90,7 @@ def test_a_zero_group_beside_a_nonzero_one_gets_index_and_norm_zero():
     store = TurboKVStore(2, PAGE, 2, 256, "turbo4", "turbo3", "cpu", torch.float32)
     slots = torch.tensor([3, 17, 4, 30, 9])
 
-    store_turbo_triton(x, x, slots, store.k, store.v, store.signs, store.inv_sqrt)
+    store_turbo_triton(x, x, slots, torch.arange(5), store.k, store.v, store.signs, store.inv_sqrt)
     for pages in (store.k, store.v):
         idx = unpack_indices(pages.codes[slots // PAGE, :, slots % PAGE], pages.bits, 256)
         norms = pages.norms[slots // PAGE, :, slots % PAGE]
@@ -116,7 +116,7 @@ def test_an_exact_tie_goes_to_the_upper_index_on_both_sides(sign):
     pages = dataclasses.replace(store.k, midpoints=torch.tensor([-0.5, 0.0, 0.5]))
     slots = torch.tensor([5])
     k = x.float().reshape(1, 1, 64)
-    store_turbo_triton(k, k, slots, pages, store.v, store.signs, inv_sqrt_group(64))
+    store_turbo_triton(k, k, slots, torch.arange(1), pages, store.v, store.signs, inv_sqrt_group(64))
     got = unpack_indices(pages.codes[0, 0, 5], 2, 64)
     want = torch.full((64,), 2, dtype=torch.int32)
     want[[3, 40]] = 3 if sign > 0 else 1
