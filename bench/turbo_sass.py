@@ -1,10 +1,10 @@
 """SASS instruction count of the turbo decode kernel's main loop, compiled for sm_90 on any machine.
 
-`python bench/turbo_sass.py [--bits-k 3 --bits-v 3] [BLOCK/WARPS[/MAX_REGISTERS] ...]` prints, per launch
-setting, the instructions between the loop's backward branch and its target (one step of BLOCK tokens),
-per stored K/V value, the registers and shared memory, the store wavefronts of the decoded K and V tiles
-over conflict-free (a model of the swizzled shared tiles, see tile_store_conflicts), and the barrier /
-shared-memory / shuffle / mma instructions of a step.
+`python bench/turbo_sass.py [--bits-k 3 --bits-v 3] [--offset] [BLOCK/WARPS[/MAX_REGISTERS] ...]` prints, per
+launch setting (with --offset also for the kernel with the key offset's score term), the instructions between
+the loop's backward branch and its target (one step of BLOCK tokens), per stored K/V value, the registers and
+shared memory, the store wavefronts of the decoded K and V tiles over conflict-free (a model of the swizzled
+shared tiles, see tile_store_conflicts), and the barrier / shared-memory / shuffle / mma instructions of a step.
 A proxy for the kernel being instruction-bound (docs/BENCHMARKS.md), not a speed measurement.
 Pointers and integer arguments carry the 16-byte divisibility a real launch has; without it the
 compiler reports unvectorized loads the launch does not have.
@@ -38,22 +38,23 @@ from server.kernels.turbo import attention  # noqa: E402
 POINTER_TYPES = {"q_ptr": "*bf16", "q_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
                  "k_codes": "*u8", "k_norms": "*fp16", "k_poly": "*fp32", "k_table": "*i32", "v_codes": "*u8",
                  "v_norms": "*fp16", "v_poly": "*fp32", "v_table": "*i32",
-                 "first_ptr": "*i32", "second_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-                 "part_l_ptr": "*fp32"}
+                 "first_ptr": "*i32", "second_ptr": "*i32", "mean_ptr": "*fp32", "sink_ptr": "*fp32",
+                 "inv_freq_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
 FLOAT_ARGS = ("inv_sqrt", "qk_scale")
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);")
 
 
 def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int = 128, gqa: int = 4,
-                   max_registers: int | None = None, column_order: dict | None = None):
-    """The decode kernel compiled for sm_90 (a CompiledKernel: .asm holds "ttgir" and "cubin")."""
+                   max_registers: int | None = None, column_order: dict | None = None, offset: bool = False):
+    """The decode kernel compiled for sm_90 (a CompiledKernel: .asm holds "ttgir" and "cubin"); ``offset``:
+    with the key offset's score term (OFFSET)."""
     fn = attention._decode_kernel
     group = 128 if head_dim % 128 == 0 else 64
     order = attention.COLUMN_ORDER if column_order is None else column_order
     constants = dict(H_KV=8, GQA=gqa, GQA_PAD=max(16, triton.next_power_of_2(gqa)), PAGE_SIZE=16, D=head_dim,
                      G=group, LOG2_G=group.bit_length() - 1, K_BITS=bits_k, V_BITS=bits_v, BLOCK=block, F16=True,
                      ASM=True, K_ORDER=order.get((bits_k, head_dim), ()), V_ORDER=order.get((bits_v, head_dim), ()),
-                     V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())))
+                     V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())), OFFSET=offset)
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
@@ -136,7 +137,9 @@ def tile_store_conflicts(ttgir: str) -> list[float]:
             return (r, c) if fast_dim == 1 else (c, r)  # (outer, inner) in shared memory
 
         inner_size = cols if fast_dim == 1 else rows
-        vector = [next(i for i, b in enumerate(reg) if coord(1 << i, reg) == (0, 1 << k)) for k in range(3)]
+        vector = [next((i for i, b in enumerate(reg) if coord(1 << i, reg) == (0, 1 << k)), None) for k in range(3)]
+        if None in vector:  # not a tile of 16-byte register vectors (the key offset's table, stored once)
+            continue
         others = [i for i in range(len(reg)) if i not in vector]
         wavefronts = ideal = 0
         for w in range(1 << len(warp)):
@@ -174,10 +177,11 @@ def main_loop(sass: str) -> list[str]:
 
 
 def summary(bits_k: int, bits_v: int, block: int, warps: int, max_registers: int | None = None,
-            column_order: dict | None = None) -> str:
+            column_order: dict | None = None, offset: bool = False) -> str:
     """One line: main-loop instructions per stored value, registers, the ops that sync or go through
     shared memory, and the decoded tiles' store wavefronts over conflict-free (tile_store_conflicts)."""
-    kernel = compile_decode(bits_k, bits_v, block, warps, max_registers=max_registers, column_order=column_order)
+    kernel = compile_decode(bits_k, bits_v, block, warps, max_registers=max_registers, column_order=column_order,
+                            offset=offset)
     sass, usage = decode_sass(kernel)
     loop = main_loop(sass)
     values_per_thread = block * 128 * 2 / (32 * warps)  # K and V of a 128-wide head
@@ -186,6 +190,7 @@ def summary(bits_k: int, bits_v: int, block: int, warps: int, max_registers: int
     syncs = ", ".join(f"{op} {opcodes[op]}" for op in ("BAR", "STS", "LDS", "STSM", "LDSM", "SHFL", "HGMMA", "HMMA"))
     return (f"Triton {triton.__version__}, K{bits_k}/V{bits_v} {block} tokens, {warps} warps"
             + ("" if max_registers is None else f", <= {max_registers} registers")
+            + (", key offset" if offset else "")
             + f": {len(loop)} instructions per step, {len(loop) / values_per_thread:.2f} per stored value, "
             f"{regs} registers, {shared} B shared; tile stores "
             + "/".join(f"{r:.2f}x" for r in tile_store_conflicts(kernel.asm["ttgir"]))
@@ -200,10 +205,12 @@ def main() -> None:
     default = f"{attention.BLOCK_N}/{attention.NUM_WARPS}" + (f"/{attention.MAX_REGISTERS}" if attention.MAX_REGISTERS else "")
     parser.add_argument("configs", nargs="*", default=[default],
                         help="BLOCK/WARPS[/MAX_REGISTERS], e.g. 64/4 128/8 64/4/128")
+    parser.add_argument("--offset", action="store_true", help="also count the kernel with the key offset's term")
     args = parser.parse_args()
     for config in args.configs:
         block, warps, *cap = map(int, config.split("/"))
-        print(summary(args.bits_k, args.bits_v, block, warps, *cap), flush=True)
+        for offset in (False, True) if args.offset else (False,):
+            print(summary(args.bits_k, args.bits_v, block, warps, *cap, offset=offset), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     with fp32 accumulation; with fp32 queries (CPU tests) indices and the codebook's odd
     polynomial in fp32; the decoded tiles' column chunks are relabeled (COLUMN_ORDER) so
     their way through shared memory to the mma is free of bank conflicts;
+  * with a key offset (the pages hold k - o(p), key_offset.py) each tile's scores get <q, o(p)>
+    back: A, B of the unrotated query and the mean are turned by the tile start's angles, then
+    one dot with a constant table of the in-tile angles gives the tile's bias (fp16 operands on
+    the GPU, fp32 "ieee" otherwise), and position 0 gets <q, sink - mean> more; OFFSET=False
+    compiles today's kernel unchanged (layout_change.md "Fused decode");
   * a second small kernel, one program per (sequence, query head), merges the splits
     (log-sum-exp) and applies the one inverse rotation per output.
 
@@ -156,14 +161,90 @@ def _padded_columns(x, ROWS: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
     return x
 
 
+# 2 pi rounded to float32 and what that rounding lost: a Cody-Waite reduction of t0 * theta_f (up to
+# ~1.3e5 rad at 128K) to [-pi, pi], where the GPU's approximate sin/cos are accurate.
+TWO_PI_HI = tl.constexpr(6.2831854820251465)
+TWO_PI_LO = tl.constexpr(-1.7484556000744883e-07)
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
+
+@triton.jit
+def _sincos(angle, ASM: tl.constexpr):
+    """(cos, sin) of float32 angles, reduced to [-pi, pi] first. On the GPU the MUFU approximations (absolute
+    error about 1e-6 there; libdevice's accurate ones cost some 40 instructions each), else exact."""
+    turns = tl.floor(angle * INV_TWO_PI + 0.5)
+    angle = tl.fma(turns, -TWO_PI_LO, tl.fma(turns, -TWO_PI_HI, angle))
+    if ASM:
+        cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
+                                        pack=1)
+        sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
+                                        pack=1)
+    else:
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    return cos, sin
+
+
+@triton.jit
+def _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, mean_ptr, sink_ptr, qk_scale, GQA: tl.constexpr,
+                  H: tl.constexpr, D: tl.constexpr):
+    """X, Y [H, D] and the sink's extra score [H] of the program's query heads (pre-scaled, not rotated).
+
+    <q, RoPE(p) mean> = sum_f cos(theta_f p) A_f + sin(theta_f p) B_f with A = q1 m1 + q2 m2 and
+    B = q2 m1 - q1 m2 over RoPE's rotate-half pairs (f, f + D/2); X stacks (A, B) and Y (B, -A), so that
+    turning by an angle is X cos + Y sin. Position 0 holds the sink instead of RoPE(0) mean = mean, so it
+    scores <q, sink - mean> more (layout_change.md "Fused decode").
+    """
+    HALF: tl.constexpr = D // 2
+    h = tl.arange(0, H)[:, None]
+    f = tl.arange(0, HALF)[None, :]
+    rows = q_ptr + q_row * q_stride_t + (kv_head * GQA + h) * q_stride_h
+    q1 = tl.load(rows + f, mask=h < GQA, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(rows + HALF + f, mask=h < GQA, other=0.0).to(tl.float32) * qk_scale
+    m1, m2 = tl.load(mean_ptr + kv_head * D + f), tl.load(mean_ptr + kv_head * D + HALF + f)
+    s1, s2 = tl.load(sink_ptr + kv_head * D + f), tl.load(sink_ptr + kv_head * D + HALF + f)
+    a, b = q1 * m1 + q2 * m2, q2 * m1 - q1 * m2
+    x = tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (H, D))
+    y = tl.reshape(tl.permute(tl.join(b, -a), (0, 2, 1)), (H, D))
+    return x, y, tl.sum(q1 * (s1 - m1) + q2 * (s2 - m2), axis=1)
+
+
+@triton.jit
+def _turn_table(inv_freq_ptr, BLOCK: tl.constexpr, D: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK, D]: cos(theta_f t) in column f, sin(theta_f t) in column D/2 + f, t = 0 .. BLOCK - 1.
+
+    Built once per program in a plain blocked layout, which the compiler keeps in shared memory for the
+    mma (a table joined from two halves stayed in 32 registers a thread and spilled)."""
+    col = tl.arange(0, D)[None, :]
+    angle = tl.arange(0, BLOCK).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + col % (D // 2))
+    cos, sin = _sincos(angle, ASM)
+    return tl.where(col < D // 2, cos, sin).to(OP)
+
+
+@triton.jit
+def _offset_scores(t0, x, y, table, inv_freq_ptr, BLOCK: tl.constexpr, D: tl.constexpr,
+                   GQA_PAD: tl.constexpr, H: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr,
+                   ASM: tl.constexpr):
+    """<q, RoPE(t0 + t) mean> [H, BLOCK] for the tile's positions t0 + t: (A, B) turned by theta_f t0,
+    then a dot with the constant table of theta_f t (layout_change.md "Fused decode").
+
+    The angles are float32 products as the model rounds them. Shapes chosen by the sm_90 instruction
+    count (`python bench/turbo_sass.py --offset`): the pairs' shared angle joined in registers (no
+    shared-memory broadcast of cos/sin), the heads padded like P (zeros, as _padded_columns)."""
+    cos, sin = _sincos(tl.load(inv_freq_ptr + tl.arange(0, D // 2)) * t0, ASM)
+    cos = tl.reshape(tl.permute(tl.join(cos, cos), (1, 0)), (D,))  # pairs (f, f + D/2) turn by one angle
+    sin = tl.reshape(tl.permute(tl.join(sin, sin), (1, 0)), (D,))
+    turned = _padded_columns(tl.trans((x * cos[None, :] + y * sin[None, :]).to(OP)), D, GQA_PAD, H)
+    return tl.trans(_real_columns(tl.dot(table, turned, input_precision=PRECISION), BLOCK, GQA_PAD, H))
+
+
 @triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
-                   inv_sqrt, qk_scale, part_acc_ptr, part_m_ptr, part_l_ptr, chunk, num_splits,
-                   H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   inv_sqrt, qk_scale, mean_ptr, sink_ptr, inv_freq_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, chunk,
+                   num_splits, H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-                   K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr):
+                   K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr):
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -179,6 +260,10 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         H: tl.constexpr = GQA_PAD if 2 * GQA > GQA_PAD else (GQA_PAD // 2 if 4 * GQA > GQA_PAD else GQA_PAD // 4)
         real, g = _query_rows(GQA_PAD, H)
         q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+        if OFFSET:  # the pages hold k - o(p): scores get <q, o(p)> back (key_offset.py)
+            x, y, sink_extra = _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, mean_ptr, sink_ptr,
+                                             qk_scale, GQA, H, D)
+            table = _turn_table(inv_freq_ptr, BLOCK, D, OP, ASM)
         q = tl.load(q_ptr + q_row * q_stride_t + (kv_head * GQA + g)[:, None] * q_stride_h + tl.arange(0, D)[None, :],
                     mask=(real & (g < GQA))[:, None], other=0.0).to(tl.float32)
         q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
@@ -202,6 +287,10 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             scores = tl.trans(_real_columns(tl.dot(k, tl.trans(q)), BLOCK, GQA_PAD, H))
             if NG == 1:
                 scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
+            if OFFSET:
+                scores += _offset_scores(t0, x, y, table, inv_freq_ptr, BLOCK, D, GQA_PAD, H, OP,
+                                         "tf32" if F16 else "ieee", ASM)
+                scores += tl.where((t0 + tl.arange(0, BLOCK) == 0)[None, :], sink_extra[:, None], 0.0)
             scores = tl.where(valid[None, :], scores, float("-inf"))
 
             m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -283,13 +372,15 @@ def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.
 
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                            num_splits: int | None = None, block_n: int = BLOCK_N,
+                            key_offset: KeyOffset | None = None, num_splits: int | None = None, block_n: int = BLOCK_N,
                             num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
                             num_stages: int | None = NUM_STAGES,
                             column_order: dict[tuple[int, int], tuple[int, ...]] = COLUMN_ORDER) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
-    ``num_splits`` and the launch settings exist for tests and the benchmark's sweep.
+    ``key_offset``: the o(p) the K pages lost (key_offset.py; float32 contiguous tensors), added back
+    as <q, o(p)> in the scores; None compiles the plain kernel. ``num_splits`` and the launch
+    settings exist for tests and the benchmark's sweep.
     """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
@@ -314,7 +405,9 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
-            scale * LOG2E, part_acc, part_m, part_l, chunk, num_splits,
+            scale * LOG2E, *((part_m,) * 3 if key_offset is None else  # never read without OFFSET
+                             (key_offset.mean, key_offset.sink, key_offset.inv_freq)),
+            part_acc, part_m, part_l, chunk, num_splits, OFFSET=key_offset is not None,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),

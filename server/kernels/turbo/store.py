@@ -115,7 +115,7 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
-        if use_triton(q) and meta.is_decode_only and self.key_offset is None:
-            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt)
+        if use_triton(q) and meta.is_decode_only:
+            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, self.key_offset)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale,
                                             self.key_offset, page_dtype=self.out_dtype)
