@@ -5,9 +5,11 @@ launch shape (moe_triton.py, BLOCK_M 16) with Triton's bundled ptxas (bench/sass
 of the K loop (the longest backward branch) per weight a thread handles in one iteration. At the
 H200's copy bandwidth, 80% of it at 2 bits/weight leaves about 2.5 issued instructions per weight.
 Pointers, N, K and the weight/activation strides are marked divisible by 16, as a launch at these
-shapes specializes them (without it the loads are not vectorized and not pipelined through cp.async);
-the "cp.async" column says whether the GEMV body's weight loads are software-pipelined (moe.gemv_stages).
-This counts work, not time; speed comes only from `python bench/kernels.py experts` on the GPU.
+shapes specializes them (without it the loads are not vectorized). The GEMV body is compiled with moe's launch
+settings (rows per program, warps); its "16-byte loads" column counts the LDG.128 of a thread in one K step.
+Counts depend on the Triton version: count with the GPU machine's 3.6.0 (bench/turbo_sass.py says how to
+install it beside the venv: `PYTHONPATH=/tmp/t36 python bench/sass_experts.py`). This counts work, not time;
+speed comes only from `python bench/kernels.py experts` on the GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,8 +72,9 @@ def loop_length(kernel) -> int:
 
 
 def _signature(fmt: str, dual: bool, body: str) -> dict:
-    sig = {"a_ptr": "*fp32" if body == "gemv" else "*bf16", "a_sum_ptr": "*fp32",
-           "out_ptr": "*bf16" if dual else "*fp32"}
+    """Argument types of a launch with bf16 activations (the GEMV body converts them as it loads them)."""
+    sig = {"a_ptr": "*bf16"} | ({} if body == "gemv" else {"a_sum_ptr": "*fp32"})
+    sig |= {"out_ptr": "*bf16" if dual else "*fp32"}
     if body == "gemv":
         sig |= {"expert_ids_ptr": "*i32", "routing_ptr": "*fp32"}
     else:
@@ -77,29 +82,31 @@ def _signature(fmt: str, dual: bool, body: str) -> dict:
     sig |= {"w_ptr": CODES[fmt], "aux_ptr": AUX[fmt], "scale_ptr": "*fp16" if fmt.startswith("e8") else CODES[fmt],
             "table_ptr": "*i32", "rtable_ptr": "*i32", "N": "i32", "K": "i32"}
     sig |= {"field_mask": "i32"} if body == "gemv" else {"num_pairs": "i32"}
-    return sig | {s: "i32" for s in STRIDES}
+    return sig | {s: "i32" for s in STRIDES if body != "gemv" or s != "stride_sm"}
 
 
 def count(fmt: str, dual: bool, body: str) -> tuple[float, int, int, int]:
-    """(loop instructions per weight per thread, registers, spilled bytes, cp.async in the PTX) at the D=6144
+    """(loop instructions per weight per thread, registers, spilled bytes, LDG.128 in the loop) at the D=6144
     decode shape."""
     k = 6144 if dual else 2048
     common = {"FORMAT": FORMAT_IDS[fmt], "DUAL": dual, "ROUTED": not dual, "A_ROW_DIV": 8 if dual else 1}
     if body == "gemv":
-        block_n, block_k = 16, _gemv_block_k(fmt, k, dual)
-        constexprs = common | {"BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "STAGES": moe.gemv_stages}
+        block_n, block_k = moe.GEMV_BLOCK_N if dual else moe.gemv_down_block_n, _gemv_block_k(fmt, k, dual)
+        warps = (moe.gemv_gate_up_options if dual else moe.gemv_down_options)["num_warps"]
+        constexprs = common | {"BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "ASM": True}
         kernel = compile_sm90(_expert_gemv, _signature(fmt, dual, body) | dict.fromkeys(constexprs, "constexpr"),
-                              constexprs, 4, DIVISIBLE)
-        rows = 2 * block_n if dual else block_n
+                              constexprs, warps, DIVISIBLE)
     else:  # moe._tile_shape at one-token decode: 32 rows, 128 inputs (q: one block) per step
-        block_n, block_k = 32, {"q1_0": 128, "q2_0": 64}.get(fmt, 128)
+        block_n, block_k, warps = 32, {"q1_0": 128, "q2_0": 64}.get(fmt, 128), 4
         constexprs = common | {"BLOCK_M": DECODE_BLOCK_M, "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True,
                                "MAGIC": 128, "IEEE": False}
         kernel = compile_sm90(_expert_gemm, _signature(fmt, dual, body) | dict.fromkeys(constexprs, "constexpr"),
-                              constexprs, 4, DIVISIBLE)
-        rows = 2 * block_n if dual else block_n
+                              constexprs, warps, DIVISIBLE)
+    rows = 2 * block_n if dual else block_n
     _, res = sass_counts(kernel)
-    return loop_length(kernel) / (rows * block_k / 128), res["REG"], res["LOCAL"], kernel.asm["ptx"].count("cp.async.c")
+    loop = loop_opcodes(kernel)
+    wide_loads = sum(n for op, n in loop.items() if op.startswith("LDG") and op.endswith(".128"))
+    return sum(loop.values()) / (rows * block_k / (32 * warps)), res["REG"], res["LOCAL"], wide_loads
 
 
 def count_mma(dual: bool, bf16: bool) -> tuple[float, int, int, int, int]:
@@ -123,14 +130,16 @@ def count_mma(dual: bool, bf16: bool) -> tuple[float, int, int, int, int]:
 
 
 def main() -> None:
-    print("| format | projection | GEMV body instr/weight | regs | cp.async | GEMM body (decode) instr/weight | regs |")
+    print(f"Triton {triton.__version__}")
+    print("| format | projection | GEMV body instr/weight | regs | 16-byte loads | GEMM body (decode) instr/weight "
+          "| regs |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for fmt in ("e8p", "e8p3", "q2_0", "q1_0"):
         for dual in (True, False):
-            gemv, gemv_regs, gemv_spill, gemv_async = count(fmt, dual, "gemv")
+            gemv, gemv_regs, gemv_spill, gemv_wide = count(fmt, dual, "gemv")
             gemm, gemm_regs, gemm_spill, _ = count(fmt, dual, "gemm")
             spills = " (spills)" if gemv_spill or gemm_spill else ""
-            print(f"| {fmt} | {'gate_up' if dual else 'down'} | {gemv:.2f} | {gemv_regs} | {gemv_async} | {gemm:.2f} | "
+            print(f"| {fmt} | {'gate_up' if dual else 'down'} | {gemv:.2f} | {gemv_regs} | {gemv_wide} | {gemm:.2f} | "
                   f"{gemm_regs} |{spills}", flush=True)
     print(f"\nq2_0 tensor-core body (moe_mma.py), {moe.mma_block_n} rows x {moe.mma_unroll} q blocks per K step, "
           f"{moe.mma_warps} warps:")

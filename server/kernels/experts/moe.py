@@ -18,7 +18,7 @@ from server.kernels.backend import use_triton
 from server.kernels.experts import e8p
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
-from server.kernels.experts.moe_gemv import _expert_gemv, field_mask
+from server.kernels.experts.moe_gemv import E8_FIELD_MASK, _expert_gemv
 from server.kernels.experts.moe_mma import _expert_mma, tile_order
 from server.kernels.experts.routing import ExpertBlocks, align_pairs, single_pair_blocks
 from server.kernels.experts.weights import ExpertWeights
@@ -144,22 +144,21 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
     t = w.tensors
     aux = t.get("residual", t.get("d", t["codes"]))
     scale = t.get("scale", t["codes"])
-    # float32 activations: the kernel multiplies them as loaded (no per-weight bf16 unpacking),
-    # and the sums that remove its offsets come from the very same values.
-    a32 = a.float().contiguous()
-    a_sum = _activation_sums(a32, fmt)
+    a = a.contiguous()  # the kernel converts a's elements to float32 as it loads them and sums them itself
     block_k = _gemv_block_k(fmt, k, dual)
+    block_n = GEMV_BLOCK_N if dual else gemv_down_block_n
     table, rtable = _tables(a.device)
-    grid = (expert_ids.numel(), triton.cdiv(n, GEMV_BLOCK_N))
+    grid = (expert_ids.numel(), triton.cdiv(n, block_n))
     with timed(f"experts_{fmt}_{'gate_up' if dual else 'down'}_gemv", a.device):
         _expert_gemv[grid](
-            a32, a_sum, out, expert_ids, routing if routing is not None else out,
+            a, out, expert_ids, routing if routing is not None else out,
             t["codes"], aux, scale, table, rtable,
-            n, k, field_mask(fmt), a32.stride(0), a_sum.stride(0), out.stride(0),
+            n, k, E8_FIELD_MASK, a.stride(0), out.stride(0),
             t["codes"].stride(0), t["codes"].stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
             scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
             FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
-            BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=gemv_stages, num_warps=4,
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            **(gemv_gate_up_options if dual else gemv_down_options),
         )
 
 
@@ -193,20 +192,26 @@ MMA_BLOCK_T = 16  # pairs per block: the MMA's N (Triton takes the warpgroup MMA
 # docs/BENCHMARKS.md 01:22 block): 128 rows, 2 q blocks per K step, 4 warps, 3 stages. Module-level
 # so benchmark sweeps can set them.
 mma_block_n, mma_unroll, mma_warps, mma_stages = 128, 2, 4, 3
-# Fewest pairs in a step for the tensor-core body. H200, D=6144 I=2048 top-8, kernels only: at 64 pairs
-# (8 tokens) it beats the GEMV body, 400 vs 451 us; at 8 pairs (1 token) it loses, 99 vs 81 us (and Mixtral's
-# 2 pairs 157 vs 108 us): few experts give too few programs for its long K loops to hide memory latency.
-# Between 8 and 64 pairs nothing was measured, so the GEMV body keeps them. Splitting K to put more programs in
-# flight (tried 03:05 UTC on 2026-11-30, docs/BENCHMARKS.md) took one token from 99.9 to 88.7 us, still behind the
-# GEMV body's 82.5, and changed nothing at 8 tokens, so it was not kept.
-MMA_MIN_PAIRS = 64
+# Fewest pairs in a step for the tensor-core body. H200, D=6144 I=2048 top-8, kernels only: at 8 pairs (1 token)
+# it loses to the GEMV body, 99 vs 81 us (Mixtral's 2 pairs 157 vs 108 us): few experts give too few programs
+# for its long K loops to hide memory latency; splitting K (03:05 UTC) only took it to 88.7 us. At 64 pairs (8
+# tokens) it beat the GEMV body until 04:44 UTC (400 vs 451 us at 01:22), when the GEMV body's exact fp16 levels,
+# loads a step ahead and 2-warp gate_up programs took it to 401 us against the MMA body's 415 (docs/BENCHMARKS.md
+# 04:44 block; both read an expert's weights once per pair). So it runs only beyond 64 pairs, which the GEMV
+# regime (use_gemv) reaches with more than 64 experts, where nothing was measured.
+MMA_MIN_PAIRS = 65
 
 GEMV_BLOCK_N = 16  # output rows per program (dual: 16 gate + 16 up): one-token decode launches pairs x N/16 programs
-# Software-pipeline depth of the GEMV K loop (tl.range num_stages; > 1 puts the weight loads in a cp.async
-# ring). Measured on the H200 (bench/kernels_experts.sweep_gemv, docs/BENCHMARKS.md 23:35 block): depth 4
-# or 6 made the deep decode 2-4x SLOWER than 1 (q2_0 T=1: 82 -> 246 us; e8p T=8: 771 -> 2108 us), so
-# the loop is not pipelined. Module-level so benchmarks can sweep it.
-gemv_stages = 1
+# GEMV launch settings, module-level so benchmark sweeps set them (bench/kernels_experts.sweep_gemv). H200, D=6144
+# I=2048 top-8, kernels only (docs/BENCHMARKS.md 04:36 and 04:44 blocks): down programs of 32 rows beat 16 (q2_0
+# one token 70.9 -> 68.5 us); gate_up programs of 2 warps beat 4 (q2_0 one token 69.9 -> 62.6 us, gate_up alone
+# 45.8 -> 38.8; 8 tokens 440 -> 401 us; e8p 107 -> 103 and 725 -> 701 us; e8p3 is the exception at one token,
+# 157 -> 165 us): a thread loads two 16-byte words of a step instead of one. Capping 4 warps at 64 registers (8
+# programs an SM instead of 6) did not help (70.3 us). The loop is never a cp.async ring: a depth of 4 or 6 made
+# the deep decode 2-4x slower (23:35 block).
+gemv_down_block_n = 32
+gemv_gate_up_options = {"num_warps": 2}
+gemv_down_options = {"num_warps": 4}
 
 
 def _gemv_can_read(w: ExpertWeights) -> bool:

@@ -22,9 +22,10 @@ The columns of a tile are ordered (`tile_order`, `_q2_levels`) so that the dequa
 already form the MMA's register operand: sm_90 SASS shows no shared-memory round trip of the tile
 and 2.4-2.5 instructions per weight in the K loop (bench/sass_experts.py), against 3.7-4.2 for the
 GEMV body. Measured (H200, D=6144 I=2048 top-8, kernels only): 40 % of copy bandwidth at 8 tokens
-(64 pairs) against the GEMV body's 35 %, but 20 % against 25 % at one token: with 8 busy experts
-its few, long programs cannot keep enough loads in flight, so moe.use_mma takes it only from
-moe.MMA_MIN_PAIRS pairs.
+(64 pairs) against the GEMV body's 35 % at 01:22, but 20 % against 25 % at one token: with 8 busy
+experts its few, long programs cannot keep enough loads in flight. Since 04:44 the GEMV body (which
+borrows `_levels_pair` for its exact fp16 levels) is ahead at 8 tokens too (40 % against 39 %), so
+moe.use_mma takes this body only beyond 64 pairs (moe.MMA_MIN_PAIRS).
 
 The interpreter has no inline assembly; there (``ASM=False``) the same levels come from plain
 shifts and masks, so CI checks the tile order, the scaling and the epilogues, and the GPU check

@@ -2,14 +2,40 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from server.kernels.experts import moe
+from server.kernels.experts import moe, qblocks
+from server.kernels.experts.moe_gemv import _q_levels
 from server.kernels.experts.moe_reference import fused_moe_reference
+from server.kernels.experts.moe_triton import FORMAT_IDS
 from tests.kernels.experts.test_fused_moe import _problem, oracle
 
-# Odd widths: K not a multiple of the K step (40, 24, 56, 264; q: 192, 384), odd expert counts, unused experts.
+
+@triton.jit
+def _q_levels_kernel(words_ptr, out_ptr, R: tl.constexpr, FORMAT: tl.constexpr, OUT: tl.constexpr):
+    words = tl.load(words_ptr + tl.arange(0, R)[:, None] * 4 + tl.arange(0, 4)[None, :])
+    tl.store(out_ptr + tl.arange(0, R)[:, None] * OUT + tl.arange(0, OUT)[None, :], _q_levels(words, FORMAT, False))
+
+
+@pytest.mark.parametrize("fmt", ["q1_0", "q2_0"])
+def test_q_levels_of_every_byte_pattern_in_every_byte_match_the_gguf_definition_in_natural_order(fmt):
+    """Rows of 16 code bytes; byte p of word w in row r is (4r + w + 64p) % 256: every value in every byte.
+    (The interpreter runs the plain-shift levels; the GPU check runs the assembly.)"""
+    fmt_def = qblocks.BLOCK_FORMATS[fmt]
+    r, w, p = torch.meshgrid(torch.arange(64), torch.arange(4), torch.arange(4), indexing="ij")
+    codes = ((4 * r + w + 64 * p) % 256).to(torch.uint8).reshape(64, 16)
+    levels = torch.empty((64, fmt_def.block), dtype=torch.float32)
+    _q_levels_kernel[(1,)](codes.view(torch.int32).contiguous(), levels, R=64, FORMAT=FORMAT_IDS[fmt],
+                           OUT=fmt_def.block)
+    want = qblocks.dequantize(fmt_def, torch.ones((64, 1), dtype=torch.float16), codes)
+    assert torch.equal(levels, want), f"GEMV {fmt} levels differ from the GGUF definition"
+
+
+# Odd widths: K not a multiple of the K step (40, 24, 56, 264; q: 192, 384, 640), odd expert counts, unused experts;
+# several K steps (264, 384, 640), so the loads issued a step ahead are carried across iterations and past K.
 CASES = [("e8p", 5, 40, 24), ("e8p3", 3, 24, 56), ("q2_0", 5, 64, 192), ("q1_0", 3, 128, 128), ("e8p", 2, 264, 16),
-         ("q1_0", 2, 384, 128)]
+         ("q1_0", 2, 384, 128), ("q2_0", 3, 640, 64)]
 
 
 @pytest.mark.parametrize("fmt,num_e,d,i", CASES)
