@@ -42,7 +42,7 @@ from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, sincos
 from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
@@ -161,29 +161,6 @@ def _padded_columns(x, ROWS: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
     return x
 
 
-# 2 pi rounded to float32 and what that rounding lost: a Cody-Waite reduction of t0 * theta_f (up to
-# ~1.3e5 rad at 128K) to [-pi, pi], where the GPU's approximate sin/cos are accurate.
-TWO_PI_HI = tl.constexpr(6.2831854820251465)
-TWO_PI_LO = tl.constexpr(-1.7484556000744883e-07)
-INV_TWO_PI = tl.constexpr(0.15915494309189535)
-
-
-@triton.jit
-def _sincos(angle, ASM: tl.constexpr):
-    """(cos, sin) of float32 angles, reduced to [-pi, pi] first. On the GPU the MUFU approximations (absolute
-    error about 1e-6 there; libdevice's accurate ones cost some 40 instructions each), else exact."""
-    turns = tl.floor(angle * INV_TWO_PI + 0.5)
-    angle = tl.fma(turns, -TWO_PI_LO, tl.fma(turns, -TWO_PI_HI, angle))
-    if ASM:
-        cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
-                                        pack=1)
-        sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
-                                        pack=1)
-    else:
-        cos, sin = tl.cos(angle), tl.sin(angle)
-    return cos, sin
-
-
 @triton.jit
 def _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, mean_ptr, sink_ptr, qk_scale, GQA: tl.constexpr,
                   H: tl.constexpr, D: tl.constexpr):
@@ -216,7 +193,7 @@ def _turn_table(inv_freq_ptr, BLOCK: tl.constexpr, D: tl.constexpr, OP: tl.const
     mma (a table joined from two halves stayed in 32 registers a thread and spilled)."""
     col = tl.arange(0, D)[None, :]
     angle = tl.arange(0, BLOCK).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + col % (D // 2))
-    cos, sin = _sincos(angle, ASM)
+    cos, sin = sincos(angle, ASM)
     return tl.where(col < D // 2, cos, sin).to(OP)
 
 
@@ -230,7 +207,7 @@ def _offset_scores(t0, x, y, table, inv_freq_ptr, BLOCK: tl.constexpr, D: tl.con
     The angles are float32 products as the model rounds them. Shapes chosen by the sm_90 instruction
     count (`python bench/turbo_sass.py --offset`): the pairs' shared angle joined in registers (no
     shared-memory broadcast of cos/sin), the heads padded like P (zeros, as _padded_columns)."""
-    cos, sin = _sincos(tl.load(inv_freq_ptr + tl.arange(0, D // 2)) * t0, ASM)
+    cos, sin = sincos(tl.load(inv_freq_ptr + tl.arange(0, D // 2)) * t0, ASM)
     cos = tl.reshape(tl.permute(tl.join(cos, cos), (1, 0)), (D,))  # pairs (f, f + D/2) turn by one angle
     sin = tl.reshape(tl.permute(tl.join(sin, sin), (1, 0)), (D,))
     turned = _padded_columns(tl.trans((x * cos[None, :] + y * sin[None, :]).to(OP)), D, GQA_PAD, H)

@@ -36,7 +36,7 @@ from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
-from server.kernels.turbo.key_offset import KeyOffset
+from server.kernels.turbo.key_offset import KeyOffset, sincos
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norm
                    mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, ASM: tl.constexpr):
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
     G2: tl.constexpr = G // 2
@@ -180,13 +180,11 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norm
             d_lo = (rg % NG * G)[:, None] + c
             d_hi = d_lo + G2
             p = tl.load(pos_ptr + tok, mask=rg // NG < n_rows, other=0).to(tl.float32)[:, None]
-            angle = p * tl.load(inv_freq_ptr + d_lo % (D // 2))
-            cos_lo, sin_lo = tl.cos(angle), tl.sin(angle)
+            cos_lo, sin_lo = sincos(p * tl.load(inv_freq_ptr + d_lo % (D // 2)), ASM)
             if NG == 1:  # the half groups are RoPE's pairs: one angle for both
                 cos_hi, sin_hi = cos_lo, sin_lo
             else:
-                angle = p * tl.load(inv_freq_ptr + d_hi % (D // 2))
-                cos_hi, sin_hi = tl.cos(angle), tl.sin(angle)
+                cos_hi, sin_hi = sincos(p * tl.load(inv_freq_ptr + d_hi % (D // 2)), ASM)
             lo -= _offset_values(mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
             hi -= _offset_values(mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
         n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
@@ -222,15 +220,15 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                   first_ptr, second_ptr, inv_sqrt, n_rows,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr):
+                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
     if tl.program_id(1) == 0:
         _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_mean,
                        k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
-                       K_BITS, K_OFFSET, STAGES)
+                       K_BITS, K_OFFSET, STAGES, ASM)
     else:
         _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_mean,
                        k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
-                       V_BITS, False, STAGES)
+                       V_BITS, False, STAGES, ASM)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
@@ -263,5 +261,6 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
             signs[0], signs[1], inv_sqrt, n_rows,
             H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=launch.rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
-            K_OFFSET=key_offset is not None, STAGES=launch.stages, num_warps=launch.num_warps, **options,
+            K_OFFSET=key_offset is not None, STAGES=launch.stages,
+            ASM=k.device.type == "cuda" and torch.version.cuda is not None, num_warps=launch.num_warps, **options,
         )
