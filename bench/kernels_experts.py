@@ -280,11 +280,12 @@ def sweep_gemv(device, copy_gbs: float, formats=("q2_0", "e8p", "e8p3"), token_c
                configs=GEMV_SWEEP) -> tuple:
     """Print kernel-only times of the GEMV body at the deep shape for the GEMV_SWEEP settings, each checked
     against the float32 reference on the first input set (a wrong one is reported and never chosen); leaves moe
-    at the setting with the lowest geometric mean of time over the cases (so the rows measured after it use it)
-    and returns it."""
+    at the setting with the lowest geometric mean of time over the cases, for every format (so the rows measured
+    after it use it), and returns it."""
     gen = torch.Generator(device=device).manual_seed(4)
     d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
     log_sum = [0.0] * len(configs)
+    moe.gemv_gate_up_options_by_format = {}  # one setting for every format while sweeping
     for fmt in formats:
         gu = random_weights(fmt, e, 2 * i, d, device, gen)
         dn = random_weights(fmt, e, d, i, device, gen)

@@ -92,7 +92,7 @@ def count(fmt: str, dual: bool, body: str) -> tuple[float, int, int, int]:
     common = {"FORMAT": FORMAT_IDS[fmt], "DUAL": dual, "ROUTED": not dual, "A_ROW_DIV": 8 if dual else 1}
     if body == "gemv":
         block_n, block_k = moe.GEMV_BLOCK_N if dual else moe.gemv_down_block_n, _gemv_block_k(fmt, k, dual)
-        warps = (moe.gemv_gate_up_options if dual else moe.gemv_down_options)["num_warps"]
+        warps = moe.gemv_launch_options(fmt, dual)["num_warps"]
         constexprs = common | {"BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "ASM": True}
         kernel = compile_sm90(_expert_gemv, _signature(fmt, dual, body) | dict.fromkeys(constexprs, "constexpr"),
                               constexprs, warps, DIVISIBLE)
