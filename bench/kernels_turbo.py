@@ -2,12 +2,16 @@
 
 1. GPU correctness at real sizes in bf16 (printed as PASS/FAIL lines before any timing): the
    store kernel against the reference quantizer, the fused decode against decode-then-attend
-   and a float32 attention over the dequantized K/V, the rotation kernel against its reference.
+   and a float32 attention over the dequantized K/V, the rotation kernel against its reference;
+   each case again with a key offset (RoPE keys with a shared direction, the pages holding k - o(p)),
+   plus one sequence of 128K positions (the offset's angles at their largest).
 2. Decode attention, 32 query / 8 KV heads, head_dim 128, batch 1/8/32 x context 4K/16K/64K:
    turbo3 and turbo4 (both kernels: split-K decode + merge with the inverse rotation) against
    F.scaled_dot_product_attention on contiguous bf16 K/V (the 4 query heads of a KV head as 4
    query rows, so SDPA reads each KV head once, as ours does). Bandwidth counts the compressed
-   K/V bytes. A small sweep of the decode kernel's tile/warp/register/column-order settings at batch 8
+   K/V bytes. Each shape also runs with a key offset like the engine's (engine_key_offset: the
+   engine's configuration), so the cost of the score term <q, o(p)> is the difference of the two rows.
+   A small sweep of the decode kernel's tile/warp/register/column-order settings at batch 8
    and batch 1, 64K comes first; the table rows run the kernel's defaults.
 3. Rotation and store kernels against the device copy bandwidth (the store through slots as an engine
    step writes them: shuffled pages, tokens contiguous inside each; bench/turbo_store_sweep.py has more).
@@ -27,7 +31,7 @@ from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo import attention
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
-from server.kernels.turbo.key_offset import KeyOffset
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
@@ -45,6 +49,7 @@ CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
     (128, 4, "turbo3", "turbo3", [4099, 1000, 17, 1]), (128, 4, "turbo4", "turbo3", [16384, 33]),
     (64, 3, "turbo4", "turbo2", [2000, 16, 15]), (256, 2, "turbo3", "turbo4", [1500, 2]),
 ]
+LONG_OFFSET_CASE = (128, 4, "turbo3", "turbo3", [131072, 70001, 3])  # angles up to 1.3e5 rad, with the offset only
 ROTATION_ROWS, STORE_TOKENS = 1 << 19, 32768
 
 
@@ -58,10 +63,14 @@ def _meta(seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     )
 
 
-def _filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, device, gen):
-    """A store holding real K/V for every sequence (written by the store kernel) in shuffled pages."""
+def _filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, device, gen, key_offset=None):
+    """A store holding real K/V for every sequence (written by the store kernel) in shuffled pages. With a
+    ``key_offset`` the store subtracts it and the keys are like real ones: o(p) (RoPE of a shared direction,
+    the sink at 0) plus what differs per token."""
     pages = [-(-n // PAGE) for n in seq_lens]
     store = TurboKVStore(sum(pages), PAGE, kv_heads, head_dim, k_kind, v_kind, device, torch.bfloat16)
+    if key_offset is not None:
+        store.set_key_offset(key_offset)
     order = torch.randperm(sum(pages), generator=gen).to(device)
     tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
     kv = []
@@ -71,7 +80,10 @@ def _filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, device, gen):
         start += pages[s]
         pos = torch.arange(n, device=device)
         slots = tables[s, pos // PAGE].long() * PAGE + pos % PAGE
-        k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.3).to(device, torch.bfloat16)
+        k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.3).to(device)
+        if key_offset is not None:
+            k = k + key_offset_at(key_offset, pos)
+        k = k.to(torch.bfloat16)
         v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
         store.write(k, v, slots, pos)
         kv.append((k, v, slots))
@@ -93,20 +105,28 @@ def check_correctness(device: torch.device) -> list[str]:
         diff = (rotate_triton(x, group) - rotate_reference(x, group)).abs().max().item()
         verdict(f"rotation G={group} fp32", diff == 0.0, f"max |triton - reference| = {diff:.3g} (want bit-identical)")
 
-    for head_dim, gqa, k_kind, v_kind, lens in CHECK_CASES:
-        name = f"D={head_dim} GQA={gqa} K={k_kind} V={v_kind} lens={lens}"
-        store, tables, kv = _filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen)
+    cases = [(case, None) for case in CHECK_CASES] + [
+        (case, engine_key_offset(2, case[0], device, gen, theta)) for case, theta in
+        zip((*CHECK_CASES, LONG_OFFSET_CASE), (10000.0, 500000.0, 10000.0, 500000.0, 500000.0))]
+    for (head_dim, gqa, k_kind, v_kind, lens), offset in cases:
+        name = f"D={head_dim} GQA={gqa} K={k_kind} V={v_kind} lens={lens}" + ("" if offset is None else " key offset")
+        store, tables, kv = _filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen, offset)
         k, v, slots = kv[0]
+        if offset is not None:  # the pages hold k - o(p)
+            k = k.float() - key_offset_at(offset, torch.arange(k.shape[0], device=device))
         for label, pages, kind, src in (("K", store.k, k_kind, k), ("V", store.v, v_kind, v)):
             mism, nerr = store_errors(pages, kind, src, slots)
             verdict(f"store {label} {name}", mism < 1e-3 and nerr < 2e-3, f"index mismatch {mism:.2e}, norm rel err {nerr:.2e}")
         meta = _meta(lens, tables)
         q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
         scale = head_dim**-0.5
-        fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt).float()
-        reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale).float()
+        fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
+                                        store.key_offset).float()
+        reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale,
+                                                 store.key_offset).float()
         err = (fused - reference).abs().max().item() / reference.abs().max().item()
         verdict(f"decode {name}", err < 2e-2, f"max |fused - reference| / max |reference| = {err:.2e}")
+        del store, kv
     return failures
 
 
@@ -143,17 +163,20 @@ def random_decode_inputs(batch: int, ctx: int, q_heads: int, kind: str, device):
     return store, metas, qs, turbo_bytes
 
 
-def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
-    """One row per (block_n, num_warps) config of our decode on random pages of this shape."""
+def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: bool = False) -> list[Row]:
+    """One row per (block_n, num_warps) config of our decode on random pages of this shape; with an engine-like
+    key offset (its score term) when ``key_offset``."""
     store, metas, qs, turbo_bytes = random_decode_inputs(batch, ctx, Q_HEADS, kind, device)
+    if key_offset:
+        store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2)))
     n_inputs = len(qs)
     scale = HEAD_DIM**-0.5
 
     def ours(i, config):
         block_n, num_warps, max_registers, num_stages, column_order = config
         return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
-                                       block_n=block_n, num_warps=num_warps, max_registers=max_registers,
-                                       num_stages=num_stages, column_order=column_order)
+                                       store.key_offset, block_n=block_n, num_warps=num_warps,
+                                       max_registers=max_registers, num_stages=num_stages, column_order=column_order)
 
     rows = []
     for config in configs:
@@ -163,7 +186,8 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs) -> list[Row]:
         note += "" if max_registers is None else f", <= {max_registers} registers"
         note += "" if num_stages is None else f", {num_stages} stages"
         note += "" if column_order else ", natural column order"
-        rows.append(Row(f"decode {kind} b{batch} ctx{ctx // 1024}K", ms, bytes_moved=turbo_bytes, note=note))
+        case = f"decode {kind} b{batch} ctx{ctx // 1024}K" + (", key offset" if key_offset else "")
+        rows.append(Row(case, ms, bytes_moved=turbo_bytes, note=note))
     return rows
 
 
@@ -245,10 +269,11 @@ def run(device: torch.device, copy_gbs: float) -> tuple[str, list[Row]]:
         for ctx in CONTEXTS:
             sdpa = sdpa_ms(batch, ctx, Q_HEADS, device)
             for kind in ("turbo3", "turbo4"):
-                (row,) = _decode_case(batch, ctx, kind, device, [DEFAULT])
-                row.baseline_ms, row.baseline_name = sdpa, "bf16 SDPA (flash)"
-                rows.append(row)
-                print(f"{row.case}: {row.ours_ms:.4f} ms vs SDPA {sdpa:.4f} ms ({row.speedup:.2f}x)", flush=True)
+                for key_offset in (False, True):
+                    (row,) = _decode_case(batch, ctx, kind, device, [DEFAULT], key_offset)
+                    row.baseline_ms, row.baseline_name = sdpa, "bf16 SDPA (flash)"
+                    rows.append(row)
+                    print(f"{row.case}: {row.ours_ms:.4f} ms vs SDPA {sdpa:.4f} ms ({row.speedup:.2f}x)", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     rows += _rotation_and_store_rows(device)
