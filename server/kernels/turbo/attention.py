@@ -198,11 +198,10 @@ def _turn_table(inv_freq_ptr, BLOCK: tl.constexpr, D: tl.constexpr, OP: tl.const
 
 
 @triton.jit
-def _offset_scores(t0, x, y, table, inv_freq_ptr, BLOCK: tl.constexpr, D: tl.constexpr,
-                   GQA_PAD: tl.constexpr, H: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr,
-                   ASM: tl.constexpr):
-    """<q, RoPE(t0 + t) mean> [H, BLOCK] for the tile's positions t0 + t: (A, B) turned by theta_f t0,
-    then a dot with the constant table of theta_f t (layout_change.md "Fused decode").
+def _turned_offset(t0, x, y, inv_freq_ptr, D: tl.constexpr, GQA_PAD: tl.constexpr, H: tl.constexpr,
+                   OP: tl.constexpr, ASM: tl.constexpr):
+    """(A, B) turned by the angles theta_f t0 of the tile's first position, as the [D, GQA_PAD] operand of
+    the dot with the table whose result is <q, RoPE(t0 + t) mean> (layout_change.md "Fused decode").
 
     The angles are float32 products as the model rounds them. Shapes chosen by the sm_90 instruction
     count (`python bench/turbo_sass.py --offset`): the pairs' shared angle joined in registers (no
@@ -210,8 +209,7 @@ def _offset_scores(t0, x, y, table, inv_freq_ptr, BLOCK: tl.constexpr, D: tl.con
     cos, sin = sincos(tl.load(inv_freq_ptr + tl.arange(0, D // 2)) * t0, ASM)
     cos = tl.reshape(tl.permute(tl.join(cos, cos), (1, 0)), (D,))  # pairs (f, f + D/2) turn by one angle
     sin = tl.reshape(tl.permute(tl.join(sin, sin), (1, 0)), (D,))
-    turned = _padded_columns(tl.trans((x * cos[None, :] + y * sin[None, :]).to(OP)), D, GQA_PAD, H)
-    return tl.trans(_real_columns(tl.dot(table, turned, input_precision=PRECISION), BLOCK, GQA_PAD, H))
+    return _padded_columns(tl.trans((x * cos[None, :] + y * sin[None, :]).to(OP)), D, GQA_PAD, H)
 
 
 @triton.jit
@@ -257,6 +255,8 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         for t0 in range(start, end, BLOCK):
             valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
                 t0 + BLOCK, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
+            if OFFSET:  # before the K tile: both dots' operands then share one barrier (550 -> 532 per step)
+                turned = _turned_offset(t0, x, y, inv_freq_ptr, D, GQA_PAD, H, OP, ASM)
             k = _tile(k_codes, row, valid, k_norm, k_table, k_poly, BLOCK, D, G, K_BITS, F16, ASM, K_ORDER)
             # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
             # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
@@ -265,8 +265,8 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             if NG == 1:
                 scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
             if OFFSET:
-                scores += _offset_scores(t0, x, y, table, inv_freq_ptr, BLOCK, D, GQA_PAD, H, OP,
-                                         "tf32" if F16 else "ieee", ASM)
+                bias = tl.dot(table, turned, input_precision="tf32" if F16 else "ieee")  # fp32: exact "ieee"
+                scores += tl.trans(_real_columns(bias, BLOCK, GQA_PAD, H))
                 scores += tl.where((t0 + tl.arange(0, BLOCK) == 0)[None, :], sink_extra[:, None], 0.0)
             scores = tl.where(valid[None, :], scores, float("-inf"))
 
