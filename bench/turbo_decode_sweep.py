@@ -1,16 +1,20 @@
-"""GPU sweep of the turbo decode kernel's launch settings: `python bench/turbo_decode_sweep.py [--default-only|--ncu]`.
+"""GPU sweep of the turbo decode kernel's launch settings:
+`python bench/turbo_decode_sweep.py [--default-only] [--offset] | --ncu`.
 
 Correctness first (the swept launch settings against decode-then-attend in bf16, real K/V written by the
 store kernel), then our decode against bf16 SDPA at the shapes the targets name: batch 8 at 64K and 16K and
 batch 1 at 64K with 32 query / 8 KV heads, and batch 1 at 64K with 16 query / 8 KV heads (GQA 2, the
 end-to-end case). Per shape: each launch setting of SETTINGS at choose_splits' count and at the counts that
 give its programs-per-SM targets, and the merge alone. ``--default-only`` runs the first setting alone (to
-compare two trees). Prints only; the recorded table comes from `python bench/kernels.py turbo`.
+compare two trees). ``--offset`` also checks and times every launch with an engine-like key offset (its
+score term <q, o(p)>), next to the plain launch. Prints only; the recorded table comes from
+`python bench/kernels.py turbo`.
 ``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -56,23 +60,27 @@ def _split_counts(programs_per_sm, batch, ctx, block_n, device) -> list:
     return [None] + sorted(set(counts))
 
 
-def _check_settings(device, settings) -> list[str]:
-    """Every swept setting (and a split count) vs decode-then-attend, bf16, real K/V from the store kernel."""
+def _check_settings(device, settings, offsets) -> list[str]:
+    """Every swept setting (and a split count) vs decode-then-attend, bf16, real K/V from the store kernel; with
+    each of ``offsets`` (False: none, True: an engine-like key offset)."""
     gen = torch.Generator().manual_seed(1)
     failures = []
-    for case, (head_dim, gqa, k_kind, v_kind, lens) in enumerate(kernels_turbo.CHECK_CASES):
-        store, tables, _ = kernels_turbo._filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen)
+    for (case, (head_dim, gqa, k_kind, v_kind, lens)), offset in itertools.product(
+            enumerate(kernels_turbo.CHECK_CASES), offsets):
+        key_offset = kernels_turbo.engine_key_offset(2, head_dim, device, gen) if offset else None
+        store, tables, _ = kernels_turbo._filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen, key_offset)
         meta = kernels_turbo._meta(lens, tables)
         q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
         scale = head_dim**-0.5
-        reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale).float()
+        reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale,
+                                                 store.key_offset).float()
         for setting, _ in settings if case < 2 else settings[:1]:  # every setting on the first two cases
             for splits in (None, 7):
                 fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
-                                                num_splits=splits, **_launch(setting)).float()
+                                                store.key_offset, num_splits=splits, **_launch(setting)).float()
                 err = (fused - reference).abs().max().item() / reference.abs().max().item()
                 name = (f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} {'/'.join(map(str, setting))} "
-                        f"splits={splits}")
+                        f"splits={splits}{' key offset' if offset else ''}")
                 print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
                 if err >= 2e-2:
                     failures.append(name)
@@ -100,25 +108,27 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     return time_ms(merge, n_inputs=len(metas), device=device)
 
 
-def _sweep_shape(batch, ctx, q_heads, settings, device) -> None:
+def _sweep_shape(batch, ctx, q_heads, settings, device, offsets) -> None:
     sdpa = kernels_turbo.sdpa_ms(batch, ctx, q_heads, device)
     torch.cuda.empty_cache()
     store, metas, qs, turbo_bytes = kernels_turbo.random_decode_inputs(batch, ctx, q_heads, "turbo3", device)
     scale = HEAD_DIM**-0.5
     label = f"turbo3 b{batch} ctx{ctx // 1024}K {q_heads}q/{KV_HEADS}kv"
     print(f"{label}: bf16 SDPA {sdpa:.4f} ms", flush=True)
-    for setting, programs_per_sm in settings:
+    key_offset = kernels_turbo.engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2))
+    for (setting, programs_per_sm), offset in itertools.product(settings, offsets):
         for splits in _split_counts(programs_per_sm, batch, ctx, setting[0], device):
             launch = dict(num_splits=splits, **_launch(setting))
 
-            def ours(i, launch=launch):
+            def ours(i, launch=launch, offset=offset):
                 return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
-                                               **launch)
+                                               key_offset if offset else None, **launch)
 
             ms = time_ms(ours, n_inputs=len(qs), device=device)
             chosen = attention.choose_splits(batch, KV_HEADS, ctx, device, setting[0]) if splits is None else splits
-            print(f"  {label} {'/'.join(map(str, setting))} splits={chosen}{' (rule)' if splits is None else ''}: "
-                  f"{ms:.4f} ms = {sdpa / ms:.2f}x SDPA, {turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
+            print(f"  {label} {'/'.join(map(str, setting))} splits={chosen}{' (rule)' if splits is None else ''}"
+                  f"{' key offset' if offset else ''}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
+                  f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
     splits = attention.choose_splits(batch, KV_HEADS, ctx, device)
     print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
           flush=True)
@@ -134,9 +144,10 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     settings = SETTINGS[:1] if "--default-only" in sys.argv else SETTINGS
-    failures = _check_settings(device, settings)
+    offsets = (False, True) if "--offset" in sys.argv else (False,)
+    failures = _check_settings(device, settings, offsets)
     for batch, ctx, q_heads in SHAPES:
-        _sweep_shape(batch, ctx, q_heads, settings, device)
+        _sweep_shape(batch, ctx, q_heads, settings, device, offsets)
         torch.cuda.empty_cache()
     print("all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {failures}")
     return 1 if failures else 0
