@@ -42,7 +42,8 @@ from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, sincos
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+from server.kernels.turbo.sincos import sincos
 from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634

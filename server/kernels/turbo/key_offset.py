@@ -16,7 +16,7 @@ float32 as the model computes it. Zero mean and sink give the spec's plain forma
 The pages hold k - o(p), so attention scores <q, k> = <q, decoded> + <q, o(p)>. The second term
 depends on the key's position, so softmax is not blind to it: every attention path adds it
 (decoded pages get o(p) added back; the fused decode kernel adds <q, o(p)> to its scores).
-docs/BENCHMARKS.md "Quality" has the perplexity this buys. ``sincos`` is the angle helper both kernels use.
+docs/BENCHMARKS.md "Quality" has the perplexity this buys. Plain torch: the engine imports it without Triton.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -55,26 +53,3 @@ def key_offset_at(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
     turned = rope_turn(offset.mean, positions, offset.inv_freq)
     return torch.where((positions == 0)[:, None, None], offset.sink.float()[None], turned)
 
-
-# 2 pi rounded to float32 and what that rounding lost: a Cody-Waite reduction of p * theta_f (up to
-# ~1.3e5 rad at 128K) to [-pi, pi], where the GPU's approximate sin/cos are accurate.
-TWO_PI_HI = tl.constexpr(6.2831854820251465)
-TWO_PI_LO = tl.constexpr(-1.7484556000744883e-07)
-INV_TWO_PI = tl.constexpr(0.15915494309189535)
-
-
-@triton.jit
-def sincos(angle, ASM: tl.constexpr):
-    """(cos, sin) of float32 angles. With ASM (CUDA) the MUFU approximations after a reduction to [-pi, pi]
-    (absolute error about 1e-6 there; libdevice's accurate ones cost some 40 instructions each), else exact.
-    The reduction needs a real FMA, which the CPU interpreter does not have."""
-    if ASM:
-        turns = tl.floor(angle * INV_TWO_PI + 0.5)
-        angle = tl.fma(turns, -TWO_PI_LO, tl.fma(turns, -TWO_PI_HI, angle))
-        cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
-                                        pack=1)
-        sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
-                                        pack=1)
-    else:
-        cos, sin = tl.cos(angle), tl.sin(angle)
-    return cos, sin

@@ -36,7 +36,8 @@ from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
-from server.kernels.turbo.key_offset import KeyOffset, sincos
+from server.kernels.turbo.key_offset import KeyOffset
+from server.kernels.turbo.sincos import sincos
 
 
 @dataclass(frozen=True)
