@@ -10,7 +10,8 @@ checkpoint, tokenizer file, gguf or fastapi is needed. Per shape it measures:
   copy bandwidth, and which fraction of it we reach;
 - with --transformers, transformers' generate() with its compiled static cache on the same shape,
   timed the same way (compile time excluded by a warm-up run).
---context-depth adds decode at long contexts (and per --kv-cache-dtype, e.g. bf16,turbo4,turbo3)
+--context-depth adds decode at long contexts (and per --kv-cache-dtype, e.g. bf16,turbo4,turbo3, and for turbo
+dtypes per --kv-key-offset, e.g. fixed,turned)
 on the shape the TurboQuant issue names.
 """
 
@@ -160,8 +161,8 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int,
-                kv_cache_dtype: str, budget_tokens: int, chunk: int, async_scheduling: bool = True) -> Engine:
+def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int, kv_cache_dtype: str, budget_tokens: int,
+                chunk: int, async_scheduling: bool = True, kv_key_offset: str = "fixed") -> Engine:
     cfg = loaded.config
     layer_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K+V per token per layer at f32: an upper bound
     config = EngineConfig(
@@ -169,6 +170,7 @@ def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int,
         max_num_batched_tokens=chunk,
         max_model_len=max_model_len,
         kv_cache_dtype=kv_cache_dtype,
+        kv_key_offset=kv_key_offset,
         kv_cache_memory=cfg.num_layers * layer_bytes * (budget_tokens + 64 * max_seqs),
         kernel_timing_sample_rate=0.0,
         async_scheduling=async_scheduling,
@@ -270,14 +272,18 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
     name = "depth-2048" if device.type == "cuda" else "tiny"
     cfg = SHAPES[name]
     loaded = build_random_model(cfg, device, args.dtype)
-    for kv_dtype in args.kv_cache_dtype:
+    kinds = [(kv_dtype, offset) for kv_dtype in args.kv_cache_dtype
+             for offset in (args.kv_key_offset if kv_dtype.startswith("turbo") else ["fixed"])]
+    for kv_dtype, offset in kinds:
+        label = f"{kv_dtype}, {offset} key offset" if kv_dtype.startswith("turbo") else kv_dtype
         for depth in args.context_depth:
             prompt = max(depth, 1)
             length = prompt + DEPTH_NEW_TOKENS
             try:
-                engine = make_engine(loaded, 1, length + 1, kv_dtype, length + 16, 8192, args.async_scheduling)
+                engine = make_engine(loaded, 1, length + 1, kv_dtype, length + 16, 8192, args.async_scheduling,
+                                     offset)
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
-                lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}) | unavailable: {exc} | | | |")
+                lines.append(f"| {name} | decode b1 @ {depth} ({label}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)
                 break
             try:
@@ -289,7 +295,7 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
                 engine.shutdown()
                 del engine
                 gc.collect()
-            lines.append(f"| {name} | decode b1 @ {depth} ({kv_dtype}){result} | - | - | |")
+            lines.append(f"| {name} | decode b1 @ {depth} ({label}){result} | - | - | |")
             print(lines[-1], flush=True)
 
 
@@ -319,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-depth", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                    help="e.g. 0,16384,65536: decode at these depths on the depth-2048 shape")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
+    p.add_argument("--kv-key-offset", default="fixed", type=lambda s: s.split(","),
+                   help="turbo K offsets to compare, e.g. fixed,turned")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--doc", type=Path, default=BENCHMARKS_DOC, help="markdown file to record into")
     p.add_argument("--no-record", action="store_true")

@@ -7,14 +7,13 @@ under a choice of key offset: how much of the quality loss each offset recovers 
 Every K and V the model writes goes into a float32 dense cache as dequantize(quantize(x - o)) + o (format.py's
 reference, specs/turboquant.md), with V's offset 0 and K's offset o one of
   none   0, the spec's plain format;
-  fixed  the mean post-RoPE key of each (layer, KV head), what the engine's turbo stores subtracted before
-         the turned offset;
+  fixed  the mean post-RoPE key of each (layer, KV head): `--kv-key-offset fixed` (the default);
   rope   the mean pre-RoPE key turned to each key's position, and the calibration text's own key at
-         position 0 (the attention sink): what the engine's turbo stores subtract
+         position 0 (the attention sink): `--kv-key-offset turned`
          (server/kernels/turbo/key_offset.py, server/runtime/kv_calibration.py).
 Offsets come from one forward over kv_calibration.CALIBRATION_TEXT, as the engine's. Windows and scoring are
-the perplexity tool's (text_windows; the second half of each window scored), so "rope" reproduces
-`turboserve perplexity --kv-cache-dtype KIND` up to the engine's own arithmetic. Also printed: the mean
+the perplexity tool's (text_windows; the second half of each window scored), so "fixed" and "rope" reproduce
+`turboserve perplexity --kv-cache-dtype KIND --kv-key-offset fixed|turned` up to the engine's own arithmetic. Also printed: the mean
 KL(exact model || emulated) over the scored tokens, steadier than perplexity for comparing offsets.
 One sequence per forward, so a token's slot is its position.
 """
@@ -76,12 +75,11 @@ def forward(model, tokens: list[int], encode, scored_from: int) -> tuple[torch.T
 def key_offsets(model, tokenizer) -> dict:
     """offset name -> offset(layer, positions [T]) giving [T, kv_heads, D] (or 0.0)."""
     cfg = model.config
-    cal = tokenizer.encode(CALIBRATION_TEXT)
-    _, caches = forward(model, cal, lambda layer, k, v, positions: (k, v), len(cal) - 1)
-    fixed = [c.keys[1:].mean(0) for c in caches]  # the first token is the sink, left out
-    turned = calibrated_offsets(model, cal, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"),
-                                torch.float32)  # fmt: skip
-    return {"none": lambda layer, positions: 0.0, "fixed": lambda layer, positions: fixed[layer],
+    args = (model, tokenizer.encode(CALIBRATION_TEXT), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+            torch.device("cpu"), torch.float32)
+    fixed, turned = calibrated_offsets(*args, turned=False), calibrated_offsets(*args, turned=True)
+    return {"none": lambda layer, positions: 0.0,
+            "fixed": lambda layer, positions: key_offset_at(fixed[layer], positions),
             "rope": lambda layer, positions: key_offset_at(turned[layer], positions)}
 
 

@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from server.config import KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig, ServerConfig
+from server.config import KV_CACHE_DTYPES, KV_KEY_OFFSETS, MODEL_DTYPES, EngineConfig, ServerConfig
 
 # (subcommand, module that defines it, the parsers its register() receives)
 EXTERNAL_COMMANDS = (
@@ -86,6 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                  help="K storage (default: --kv-cache-dtype)")
     add_argument(parser, "--kv-cache-dtype-v", default=None, choices=KV_CACHE_DTYPES,
                  help="V storage (default: --kv-cache-dtype)")
+    add_argument(parser, "--kv-key-offset", default="fixed", choices=KV_KEY_OFFSETS,
+                 help="what turbo K pages subtract: the mean key (fixed), the mean turned by RoPE to each key's "
+                      "position (turned: better quality, slower decode attention), nothing (none)")
     add_argument(parser, "--kv-cache-memory", type=parse_size, default=None,
                  help="bytes for the KV page pool, e.g. 2GiB or 512MiB (default: a share of free memory)")
     add_argument(parser, "--page-size", type=int, default=16, help="tokens per KV page")
@@ -106,7 +109,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
-        kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_memory=args.kv_cache_memory, kv_key_offset=args.kv_key_offset,
         page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue, seed=args.seed,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,

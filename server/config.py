@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "turbo2", "turbo3", "turbo4")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_KEY_OFFSETS = ("fixed", "turned", "none")  # what a turbo K store subtracts (server/runtime/kv_calibration.py)
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class EngineConfig:
     kv_cache_dtype_k: str | None = None
     kv_cache_dtype_v: str | None = None
     kv_cache_memory: int | None = None  # bytes for the page pool; None: a fraction of free memory
+    kv_key_offset: str = "fixed"  # one of KV_KEY_OFFSETS
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64  # sequences running at once

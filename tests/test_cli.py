@@ -36,6 +36,15 @@ def test_serve_flags_default_from_the_environment_and_the_command_line_wins(monk
     assert args.api_key == "k" and args.kv_cache_dtype == "turbo3"
     config = cli.engine_config_from_args(args)
     assert config.kv_cache_memory == 2**30 and config.kv_cache_dtype == "turbo3" and config.enforce_eager
+    assert config.kv_key_offset == "fixed"
+    turned = cli.engine_config_from_args(cli.build_parser().parse_args(["serve", "--kv-key-offset", "turned"]))
+    assert turned.kv_key_offset == "turned"
+
+
+def test_an_unknown_key_offset_is_refused_with_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["serve", "--kv-key-offset", "rope"])
+    assert exit_.value.code == 2 and "choose from 'fixed', 'turned', 'none'" in capsys.readouterr().err
 
 
 def test_defaults_match_the_documented_ones(monkeypatch):

@@ -108,9 +108,9 @@ class Engine:
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else default_budget_bytes(self.device)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
-        if k_kind in TURBO_KV_KINDS:  # quantized keys lose their shared direction first (kv_calibration.py)
+        if k_kind in TURBO_KV_KINDS and config.kv_key_offset != "none":  # keys lose their shared direction first
             calibrate_key_offsets(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
-                                  self.device, dtype, self.max_model_len)
+                                  self.device, dtype, self.max_model_len, turned=config.kv_key_offset == "turned")
         self.scheduler = Scheduler(config, self.kv_cache)
         graph_batch = 0 if config.enforce_eager else config.max_num_seqs
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len, graph_batch)

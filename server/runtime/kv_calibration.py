@@ -1,12 +1,18 @@
 """Key offsets for turbo K caches (server/kernels/turbo/key_offset.py), measured once at start-up.
 
-A turbo K store quantizes k - o(p), o(p) = RoPE(p) mean for p >= 1 and o(0) = sink. Both come
-from one forward pass over CALIBRATION_TEXT with a dense cache in the model's own dtype: the
-keys it writes are turned back to position 0 (RoPE(-p) k, which undoes the model's rotation)
-and averaged, leaving out the first token, the attention sink, whose key is unlike the others
-and becomes the sink offset itself. Fixed per model (never per batch or sequence, so batch
-invariance holds), deterministic, and one short prefill at start-up. A model without RoPE
-(``rope_inv_freq`` all zero) gets the plain mean key.
+A turbo K store quantizes k - o(p). Both kinds of offset come from one forward pass over
+CALIBRATION_TEXT with a dense cache in the model's own dtype, leaving out the first token, the
+attention sink, whose key is unlike the others:
+  * fixed (``--kv-key-offset fixed``, the default): o(p) = the mean of the keys as written, for
+    every p. It shifts every score of a query row by the same <q, o>, which softmax ignores, so
+    the fused decode kernel does no extra work;
+  * turned: o(p) = RoPE(p) mean for p >= 1, with mean the keys turned back to position 0
+    (RoPE(-p) k undoes the model's rotation) and averaged, and o(0) = the sink's own key. The
+    keys' shared direction is fixed before RoPE, so this removes much more of it (perplexity in
+    docs/BENCHMARKS.md "Quality"), but attention has to add <q, o(p)> per key (decode attention
+    about 36 % slower on the H200).
+Fixed per model (never per batch or sequence, so batch invariance holds), deterministic, and one
+short prefill at start-up. A model without RoPE (``rope_inv_freq`` all zero) turns nothing.
 """
 
 from __future__ import annotations
@@ -63,9 +69,10 @@ class _KeyRecorder:
 
 @torch.inference_mode()
 def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
-                device: torch.device, dtype: torch.dtype) -> list[KeyOffset]:
-    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset: float32 [kv_heads, D]
-    mean of the keys turned back to position 0 over all tokens but the first, and the first token's key."""
+                device: torch.device, dtype: torch.dtype, turned: bool = True) -> list[KeyOffset]:
+    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset over all tokens but the
+    first (float32 [kv_heads, D]): turned, the mean of the keys turned back to position 0 and the first token's
+    key as the sink; else the mean of the keys as written, at every position."""
     n = len(token_ids)
     if n <= SKIPPED_TOKENS:
         raise ValueError(f"key calibration needs more than {SKIPPED_TOKENS} tokens, got {n}")
@@ -82,22 +89,25 @@ def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int,
     positions = torch.arange(n, device=device)
     model.forward(torch.tensor(token_ids, device=device), positions, recorders, meta)
     inv_freq = model.rope_inv_freq().to(device, torch.float32)
+    if not turned:
+        means = [r.keys[SKIPPED_TOKENS:].mean(0) for r in recorders]
+        return [KeyOffset(m, m.clone(), torch.zeros_like(inv_freq)) for m in means]
     back = -positions[SKIPPED_TOKENS:]
     return [KeyOffset(rope_turn(r.keys[SKIPPED_TOKENS:], back, inv_freq).mean(0), r.keys[0].clone(), inv_freq)
             for r in recorders]
 
 
 def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
-                          device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
+                          device: torch.device, dtype: torch.dtype, max_tokens: int, turned: bool) -> None:
     """Measure the key offsets on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
-    store its layer's (TurboKVStore.set_key_offset). Call before anything is written."""
+    store its layer's (TurboKVStore.set_key_offset). Call before anything is written or captured."""
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
-    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
+    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype, turned)
     for store, offset in zip(stores, offsets):
         store.set_key_offset(offset)
     norms = torch.stack([o.mean.norm(dim=-1) for o in offsets])  # [layers, kv_heads]
     log.info(
-        "turbo K offsets: mean key before RoPE per layer and KV head over %d calibration tokens, and the sink key; "
-        "|mean| min %.3g, mean %.3g, max %.3g",
+        "turbo K offsets (%s): mean key per layer and KV head over %d calibration tokens; |mean| min %.3g, "
+        "mean %.3g, max %.3g", "turned by RoPE, and the sink's key at position 0" if turned else "fixed",
         len(token_ids) - SKIPPED_TOKENS, norms.min().item(), norms.mean().item(), norms.max().item(),
     )  # fmt: skip

@@ -71,28 +71,46 @@ def test_key_offsets_turn_the_keys_back_to_position_zero_and_keep_the_sink():
         assert torch.equal(got.inv_freq, model.rope_inv_freq())
 
 
-def test_turbo_engine_gives_every_store_its_layer_offset_and_dense_engines_none():
+def test_fixed_key_offsets_are_the_mean_written_key_at_every_position():
+    model, cfg = tiny_rope_model()
+    ids = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"),
+                      torch.float32, turned=False)
+    n, d = len(ids), cfg.head_dim
+    spies = [KeySpy(-(-n // 16), 16, cfg.num_kv_heads, d, torch.float32, "cpu") for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(torch.arange(n), torch.arange(-(-n // 16), dtype=torch.int32)[None],
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), [n], [n])
+    with torch.no_grad():
+        model.forward(torch.tensor(ids), torch.arange(n), spies, meta)
+    for layer, (offset, spy) in enumerate(zip(got, spies)):
+        want = spy.keys[0][1:].double().mean(0)
+        assert torch.allclose(offset.mean.double(), want, atol=1e-5), f"layer {layer}: not the mean written key"
+        assert torch.equal(offset.sink, offset.mean) and offset.inv_freq.eq(0).all(), "a fixed offset never turns"
+
+
+def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_dense_engines_none():
     loaded = ToyLoaded(model=ToyModel(CONFIG, seed=3), config=CONFIG)
     engines = [make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype=kind) for kind in ("turbo3", "f32")]
     try:
-        turbo, dense = engines
+        turbo, dense = engines  # --kv-key-offset fixed, the default
         ids = list(CALIBRATION_TEXT.encode())[:128]  # the byte tokenizer, cut at max_model_len
-        want = key_offsets(loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim,
-                           torch.device("cpu"), torch.float32)
-        for store, o in zip(turbo.kv_cache.stores, want):
-            assert isinstance(store, TurboKVStore)
+        args = (loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, torch.device("cpu"),
+                torch.float32)
+        for store, o in zip(turbo.kv_cache.stores, key_offsets(*args, turned=False)):
+            assert isinstance(store, TurboKVStore) and not store.offset_turns
             assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
-            assert store.key_offset.inv_freq.eq(0).all(), "the toy model has no RoPE: its offsets do not turn"
         assert all(not hasattr(s, "key_offset") for s in dense.kv_cache.stores)
-        # Same model, same text: a second turbo engine calibrates to the very same offsets.
-        again = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
-                            kv_cache_dtype_v="turbo2")
-        engines.append(again)
-        for a, b in zip(turbo.kv_cache.stores, again.kv_cache.stores):
-            assert torch.equal(a.key_offset.mean, b.key_offset.mean)
-            assert torch.equal(a.key_offset.sink, b.key_offset.sink)
-        out = turbo.generate(list(b"hello there"), SamplingParams(max_tokens=4, temperature=0.0))
-        assert out.finish_reason == "length" and len(out.token_ids) == 4
+        turned = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
+                             kv_cache_dtype_v="turbo2", kv_key_offset="turned")
+        none = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
+        engines += [turned, none]
+        for store, o in zip(turned.kv_cache.stores, key_offsets(*args, turned=True)):
+            assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
+            assert store.offset_turns, "the sink at position 0 differs from the mean: the offset turns"
+        assert all(s.key_offset is None for s in none.kv_cache.stores), "none: the spec's plain format"
+        for engine in (turbo, turned, none):
+            out = engine.generate(list(b"hello there"), SamplingParams(max_tokens=4, temperature=0.0))
+            assert out.finish_reason == "length" and len(out.token_ids) == 4
     finally:
         for engine in engines:
             engine.shutdown()

@@ -5,9 +5,10 @@ Pages: codes [num_pages, kv_heads, page_size, row_bytes] uint8 and norms
 layout). A page's rows for one head are contiguous, so a decode program reads
 page_size * row_bytes consecutive bytes per page.
 
-Key offset: K pages hold k - o(p), with o the position-turned offset of key_offset.py (None by
-default: the spec's plain format). server/runtime/kv_calibration.py measures it per layer at
-start-up and sets it before anything is written; every attention path adds it back.
+Key offset: K pages hold k - o(p), with o the offset of key_offset.py (None by default: the spec's
+plain format). server/runtime/kv_calibration.py measures it per layer at start-up and sets it before
+anything is written. The decoded-pages path adds it back; the fused decode needs to only when it
+turns with p: a constant o shifts every score of a query row alike, which softmax ignores.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class TurboKVStore:
         self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
         self.inv_sqrt = inv_sqrt_group(group)
         self.key_offset: KeyOffset | None = None
+        self.offset_turns = False  # whether o(p) depends on p (then the fused decode adds <q, o(p)>)
 
     def set_key_offset(self, offset: KeyOffset) -> None:
         """Quantize k - o(p) from now on. Set it before the first write: pages written earlier hold k
@@ -76,6 +78,7 @@ class TurboKVStore:
                                           for n in shapes))
         for name in shapes:  # in place: captured CUDA graphs keep reading these tensors
             getattr(self.key_offset, name).copy_(getattr(offset, name))
+        self.offset_turns = bool(offset.inv_freq.any()) or not torch.equal(offset.sink, offset.mean)
 
     @staticmethod
     def bits_per_value(kind: str) -> float:
@@ -116,6 +119,7 @@ class TurboKVStore:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
         if use_triton(q) and meta.is_decode_only:
-            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, self.key_offset)
+            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt,
+                                           self.key_offset if self.offset_turns else None)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale,
                                             self.key_offset, page_dtype=self.out_dtype)

@@ -99,3 +99,23 @@ def test_store_attend_takes_the_fused_decode_with_an_offset(monkeypatch):
                         lambda *args, **kw: calls.append(args) or decode_attention_triton(*args, **kw))
     assert_close(store.attend(q, meta, 64**-0.5), want, 2e-5, "store.attend decode step vs float64")
     assert len(calls) == 1 and calls[0][7] is store.key_offset, "the decode step did not run fused with the offset"
+
+
+def test_a_fixed_offset_runs_the_plain_fused_decode_and_softmax_ignores_it(monkeypatch):
+    """--kv-key-offset fixed: o(p) = m at every position (sink == mean, no turn) shifts a query row's scores
+    alike, so the store hands the fused kernel no offset, and the output is still attention over decoded + m."""
+    mean = torch.randn(2, 64, generator=torch.Generator().manual_seed(43)) * 3
+    fixed = KeyOffset(mean, mean.clone(), torch.zeros(32))
+    seq_lens = [17, 70]
+    store, tables, _ = filled_store(seq_lens, 2, 64, "turbo3", "turbo3", fixed, seed=44)
+    assert not store.offset_turns
+    meta, q = step(tables, seq_lens, [1, 1], 4, 64, seed=45)
+    want = attention64(q, represented_keys(store, tables, seq_lens), decode64(store.v, 64), meta, 0.125)
+    monkeypatch.setattr(store_module, "use_triton", lambda t: True)
+    calls = []
+    monkeypatch.setattr(store_module, "decode_attention_triton",
+                        lambda *args, **kw: calls.append(args) or decode_attention_triton(*args, **kw))
+    assert_close(store.attend(q, meta, 0.125), want, 2e-5, "fused decode without the fixed offset vs float64")
+    assert len(calls) == 1 and calls[0][7] is None, "a fixed offset must not cost the fused decode anything"
+    store.set_key_offset(offset_for(2, 64, 10000.0, seed=46))
+    assert store.offset_turns, "a turned offset must reach the fused decode"
