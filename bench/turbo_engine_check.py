@@ -1,15 +1,18 @@
-"""GPU check of turbo KV through the whole engine: `python bench/turbo_engine_check.py` (prints, records nothing).
+"""GPU check of turbo KV through the whole engine: `python bench/turbo_engine_check.py [--model GGUF]` (prints,
+records nothing).
 
 CI runs the embedded SmolLM2 with turbo pages on the CPU reference path only. Here the same model runs on
 the GPU in bf16, where the store kernel, the fused decode kernel (inside CUDA graphs) and the key offsets
-calibrated on the device take over: for each KV cache dtype, greedy answers to a few chat prompts, and how
-many leading tokens agree with the bf16 cache's. Needs the gguf package (the embedded model is a GGUF file).
+calibrated on the device take over: for each KV cache dtype and key offset, greedy answers to a few chat
+prompts, and how many leading tokens agree with the bf16 cache's. Needs the gguf package; ``--model`` takes
+the GGUF file where the embedded model's package is not installed.
 Exits non-zero when turbo4's answers stray from bf16's within the first tokens of the clear-margin prompts
 (tests/kernels/turbo/test_engine_e2e.py says why "the capital of France" is not one of them) or a page leaks.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,14 +26,16 @@ from server.runtime.models.loader import load_model  # noqa: E402
 from server.runtime.sequence import SamplingParams  # noqa: E402
 
 PROMPTS = ["What is the capital of Japan?", "What is 2 + 2?", "Who wrote Hamlet?"]
-KINDS = [("bf16", "bf16"), ("turbo4", "turbo4"), ("turbo3", "turbo3"), ("turbo4", "turbo3"), ("turbo2", "turbo2")]
+KINDS = [("bf16", "bf16", "fixed"), ("turbo4", "turbo4", "fixed"), ("turbo4", "turbo4", "turned"),
+         ("turbo3", "turbo3", "fixed"), ("turbo3", "turbo3", "turned"), ("turbo4", "turbo3", "fixed"),
+         ("turbo2", "turbo2", "turned")]
 AGREE = 6  # leading greedy tokens turbo4 must share with bf16 (test_engine_e2e.py's bar on the CPU)
 NEW_TOKENS = 24
 
 
-def answers(loaded, k_kind: str, v_kind: str) -> list[tuple[str, list[int]]]:
-    config = EngineConfig(kv_cache_dtype_k=k_kind, kv_cache_dtype_v=v_kind, kv_cache_memory=256 << 20,
-                          max_model_len=1024, max_num_seqs=4)
+def answers(loaded, k_kind: str, v_kind: str, key_offset: str) -> list[tuple[str, list[int]]]:
+    config = EngineConfig(kv_cache_dtype_k=k_kind, kv_cache_dtype_v=v_kind, kv_key_offset=key_offset,
+                          kv_cache_memory=256 << 20, max_model_len=1024, max_num_seqs=4)
     engine = Engine(config, loaded=loaded)
     engine.start()
     try:
@@ -50,17 +55,19 @@ def answers(loaded, k_kind: str, v_kind: str) -> list[tuple[str, list[int]]]:
 
 
 def main() -> int:
-    device = torch.device("cuda")
-    loaded = load_model(None, device, torch.bfloat16)
-    reference = answers(loaded, "bf16", "bf16")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    args = parser.parse_args()
+    loaded = load_model(args.model, torch.device("cuda"), torch.bfloat16)
+    reference = answers(loaded, "bf16", "bf16", "fixed")
     failures = []
-    for k_kind, v_kind in KINDS:
-        got = reference if k_kind == "bf16" else answers(loaded, k_kind, v_kind)
+    for k_kind, v_kind, key_offset in KINDS:
+        got = reference if k_kind == "bf16" else answers(loaded, k_kind, v_kind, key_offset)
         for text, (answer, ids), (_, ref_ids) in zip(PROMPTS, got, reference):
             agree = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
-            print(f"{k_kind}/{v_kind} | {text} | {agree} leading tokens as bf16 | {answer!r}", flush=True)
+            print(f"{k_kind}/{v_kind} {key_offset} | {text} | {agree} leading tokens as bf16 | {answer!r}", flush=True)
             if (k_kind, v_kind) == ("turbo4", "turbo4") and agree < AGREE:
-                failures.append(f"turbo4 on {text!r}: {agree} leading tokens as bf16")
+                failures.append(f"turbo4 ({key_offset} offset) on {text!r}: {agree} leading tokens as bf16")
     for failure in failures:
         print(f"FAIL {failure}", flush=True)
     return 1 if failures else 0
