@@ -7,8 +7,9 @@
    mismatches (a value within an ulp of a midpoint may differ, nothing else), norms of the groups whose
    indices all agree, zero rows, padding slots (-1) and slots nobody wrote.
 2. Timing, 32768 tokens x 8 KV heads x d128, K+V: the store's launch settings (quantize.StoreLaunch)
-   with the key offset, for slots as an engine step writes them (pages shuffled, tokens contiguous inside
-   a page), and the default for tokens scattered one by one and without an offset (the plain format);
+   with the turned key offset, for slots as an engine step writes them (pages shuffled, tokens contiguous
+   inside a page), and the default for tokens scattered one by one, with the fixed offset (the engine's
+   default) and without one (the plain format);
    baseline: bf16 index_copy_ of K and V through the same slots.
    Bytes: bf16 K and V read + the turbo pages written (indices and norms) + the slot mapping and positions.
 """
@@ -27,7 +28,7 @@ from bench.harness import (  # noqa: E402
     BENCHMARKS_DOC, Row, command_line, copy_bandwidth_gbs, report, require_gpu, time_ms,
 )
 from bench.kernels_turbo import engine_key_offset, engine_slots, store_errors  # noqa: E402
-from server.kernels.turbo.key_offset import key_offset_at  # noqa: E402
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at  # noqa: E402
 from server.kernels.turbo.quantize import STORE_LAUNCH, StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
@@ -94,13 +95,16 @@ def timings(device, copy_gbs: float) -> list[Row]:
             store = TurboKVStore(num_pages, PAGE, HEADS, 128, kind, kind, device, torch.bfloat16)
             pages_bytes = TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, kind, kind)
             moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8 * 2  # bf16 K, V read; pages, slots, positions
-            offset = engine_key_offset(HEADS, 128, device, gen)
-            runs = [(launch, offset) for launch in (SETTINGS if pattern == "engine slots" else SETTINGS[:1])]
-            for launch, key_offset in runs + [(STORE_LAUNCH, None)]:
+            turned = engine_key_offset(HEADS, 128, device, gen)
+            fixed = KeyOffset(turned.mean, turned.mean, torch.zeros_like(turned.inv_freq))
+            runs = [(launch, "turned") for launch in (SETTINGS if pattern == "engine slots" else SETTINGS[:1])]
+            for launch, offset in runs + [(STORE_LAUNCH, "fixed"), (STORE_LAUNCH, "none")]:
                 case = f"store {kind}, {TOKENS} tokens x {HEADS} heads, K+V, {pattern}, " + (
-                    "key offset" if key_offset is not None else "plain format")
+                    "plain format" if offset == "none" else f"{offset} key offset")
+                key_offset = {"turned": turned, "fixed": fixed, "none": None}[offset]
                 ms = time_ms(lambda _: store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs,
-                                                          store.inv_sqrt, key_offset, launch), device=device)
+                                                          store.inv_sqrt, key_offset, offset == "turned",
+                                                          launch=launch), device=device)
                 fields = launch.__dataclass_fields__
                 note = (f"default {launch}" if launch == STORE_LAUNCH else ", ".join(
                     f"{f}={getattr(launch, f)}" for f in fields if getattr(launch, f) != getattr(STORE_LAUNCH, f)))

@@ -136,7 +136,7 @@ def _offset_values(mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: tl.constexpr
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
                    mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
                    STAGES: tl.constexpr, ASM: tl.constexpr):
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
@@ -177,9 +177,12 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norm
         c = tl.arange(0, G2)[None, :]
         lo = tl.load(x_ptr + base[:, None] + c, mask=ok[:, None], other=0.0).to(tl.float32)
         hi = tl.load(x_ptr + base[:, None] + G2 + c, mask=ok[:, None], other=0.0).to(tl.float32)
-        if HAS_OFFSET:  # k - o(p): mean and sink float32 [H, D], inv_freq [D / 2]
-            d_lo = (rg % NG * G)[:, None] + c
-            d_hi = d_lo + G2
+        d_lo = (rg % NG * G)[:, None] + c
+        d_hi = d_lo + G2
+        if OFFSET == "fixed":  # o(p) = mean at every position (the sink is the mean, nothing turns)
+            lo -= tl.load(mean_ptr + head[:, None] * D + d_lo, mask=ok[:, None], other=0.0)
+            hi -= tl.load(mean_ptr + head[:, None] * D + d_hi, mask=ok[:, None], other=0.0)
+        if OFFSET == "turned":  # k - o(p): mean and sink float32 [H, D], inv_freq [D / 2]
             p = tl.load(pos_ptr + tok, mask=rg // NG < n_rows, other=0).to(tl.float32)[:, None]
             cos_lo, sin_lo = sincos(p * tl.load(inv_freq_ptr + d_lo % (D // 2)), ASM)
             if NG == 1:  # the half groups are RoPE's pairs: one angle for both
@@ -222,6 +225,7 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    # K_OFFSET: "none", "fixed" or "turned" (store_turbo_triton's key_offset and key_offset_turns)
     if tl.program_id(1) == 0:
         _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_mean,
                        k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
@@ -229,15 +233,16 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
     else:
         _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_mean,
                        k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
-                       V_BITS, False, STAGES, ASM)
+                       V_BITS, "none", STAGES, ASM)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                        k_pages: TurboPages, v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor],
-                       inv_sqrt: float, key_offset: KeyOffset | None = None,
+                       inv_sqrt: float, key_offset: KeyOffset | None = None, key_offset_turns: bool = True,
                        launch: StoreLaunch = STORE_LAUNCH) -> None:
     """Quantize k - o(positions) and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch
     for both. ``key_offset`` (contiguous float32 tensors, TurboKVStore.key_offset); None: the spec's plain format.
+    ``key_offset_turns`` False promises o(p) = mean everywhere (TurboKVStore.offset_turns): no angles computed.
     """
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -262,6 +267,7 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
             signs[0], signs[1], inv_sqrt, n_rows,
             H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=launch.rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
-            K_OFFSET=key_offset is not None, STAGES=launch.stages,
+            K_OFFSET="none" if key_offset is None else ("turned" if key_offset_turns else "fixed"),
+            STAGES=launch.stages,
             ASM=k.device.type == "cuda" and torch.version.cuda is not None, num_warps=launch.num_warps, **options,
         )

@@ -103,7 +103,7 @@ class TurboKVStore:
                 raise ValueError(f"{name} must have one entry per token ({k.shape[0]}), got {tuple(t.shape)}")
         if use_triton(k):
             store_turbo_triton(k, v, slot_mapping, positions, self.k, self.v, self.signs, self.inv_sqrt,
-                               self.key_offset)
+                               self.key_offset, self.offset_turns)
             return
         keep = slot_mapping >= 0  # a negative slot marks a padding token
         slots = slot_mapping[keep].long()

@@ -166,22 +166,28 @@ def test_turned_offset_cuts_the_attention_error_for_rope_keys():
     assert errors["turned"] < errors["unturned"] / 2 and errors["turned"] < errors["plain"] / 4, errors
 
 
-@pytest.mark.parametrize("head_dim,k_kind,v_kind", [(64, "turbo3", "turbo4"), (128, "turbo4", "turbo2"),
-                                                    (256, "turbo3", "turbo3")])
-def test_store_kernel_matches_the_reference_with_an_offset(head_dim, k_kind, v_kind):
+@pytest.mark.parametrize("head_dim,k_kind,v_kind,turned", [
+    (64, "turbo3", "turbo4", True), (128, "turbo4", "turbo2", True), (256, "turbo3", "turbo3", True),
+    (128, "turbo3", "turbo3", False),
+])
+def test_store_kernel_matches_the_reference_with_an_offset(head_dim, k_kind, v_kind, turned):
     """Triton store (interpreter) with the store's offset vs quantize_reference(k - o(p)) and plain v: positions
-    0 (the sink), small and large, in shuffled order, one padding token."""
+    0 (the sink), small and large, in shuffled order, one padding token; turned and fixed offsets (the kernel
+    skips the angles for a fixed one)."""
     gen = torch.Generator().manual_seed(head_dim + 1)
     heads, tokens = 3, 37
     store = TurboKVStore(4, PAGE, heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
-    store.set_key_offset(random_offset(heads, head_dim, gen, scale=5.0))
+    offset = random_offset(heads, head_dim, gen, scale=5.0)
+    store.set_key_offset(offset if turned else KeyOffset(offset.mean, offset.mean, torch.zeros(head_dim // 2)))
+    assert store.offset_turns == turned
     positions = torch.cat([torch.tensor([0, 1, 5000]), torch.randperm(300, generator=gen)[: tokens - 3] + 2])
     k = key_offset_at(store.key_offset, positions) + torch.randn(tokens, heads, head_dim, generator=gen)
     k[3] = key_offset_at(store.key_offset, positions[3:4])[0]  # k - o(p) == 0: norm 0, index 0
     v = torch.randn(tokens, heads, head_dim, generator=gen) + 2.0  # V never loses an offset
     slots = torch.randperm(4 * PAGE, generator=gen)[:tokens]
     slots[9] = -1  # a padding token stores nothing
-    store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs, store.inv_sqrt, store.key_offset)
+    store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs, store.inv_sqrt, store.key_offset,
+                       store.offset_turns)
     keep = slots >= 0
     s = slots[keep]
     exact = torch.ones(tokens, dtype=torch.bool)
