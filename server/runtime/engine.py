@@ -111,6 +111,9 @@ class Engine:
         if k_kind in TURBO_KV_KINDS and config.kv_key_offset != "none":  # keys lose their shared direction first
             calibrate_key_offsets(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                                   self.device, dtype, self.max_model_len, turned=config.kv_key_offset == "turned")
+        elif k_kind not in TURBO_KV_KINDS and config.kv_key_offset != "fixed":
+            log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
+                        config.kv_key_offset, k_kind)
         self.scheduler = Scheduler(config, self.kv_cache)
         graph_batch = 0 if config.enforce_eager else config.max_num_seqs
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len, graph_batch)

@@ -114,3 +114,14 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_key_offset_asked_of_a_dense_cache_is_ignored_with_a_warning(caplog):
+    loaded = ToyLoaded(model=ToyModel(CONFIG, seed=3), config=CONFIG)
+    with caplog.at_level("WARNING", logger="server.runtime.engine"):
+        engine = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="f32", kv_key_offset="turned")
+    try:
+        assert "--kv-key-offset turned ignored" in caplog.text and "stored as f32" in caplog.text
+        assert all(not hasattr(s, "key_offset") for s in engine.kv_cache.stores)
+    finally:
+        engine.shutdown()
