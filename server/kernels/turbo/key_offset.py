@@ -1,22 +1,24 @@
-"""The key offset o(p) a turbo K store subtracts before quantizing, and adds back in attention.
+"""The key offset o(p) a turbo K store subtracts before quantizing, and attention accounts for.
 
 Real keys share a large direction per KV head (on SmolLM2-135M about 80 % of a key's length),
 and the quantizer's error is relative to the whole vector it is given: subtracting the shared
-part leaves it only what tells tokens apart. That shared direction is fixed BEFORE RoPE, so
-after RoPE it turns with the key's position; the offset turns with it:
+part leaves it only what tells tokens apart. One definition covers both kinds the engine uses
+(server/runtime/kv_calibration.py measures them, ``--kv-key-offset``):
 
     o(p) = RoPE(p) mean   for p >= 1,        o(0) = sink,
 
-with ``mean`` [kv_heads, D] the mean key before RoPE (RoPE's attention scaling included) and
-``sink`` the key of the attention sink at position 0, which is unlike the others
-(server/runtime/kv_calibration.py measures both). RoPE here is the model's rotate-half rotation
-with its ``inv_freq`` [D/2]: pairs (f, f + D/2) turn by the angle p * inv_freq[f], computed in
-float32 as the model computes it. Zero mean and sink give the spec's plain format.
+with ``mean`` [kv_heads, D] and ``sink`` [kv_heads, D] float32, and RoPE the model's rotate-half
+rotation with its ``inv_freq`` [D/2]: pairs (f, f + D/2) turn by the angle p * inv_freq[f], in
+float32 as the model computes it.
+  * turned: mean is the mean key before RoPE (the shared direction is fixed there, so after RoPE
+    it turns with the key's position) and sink the attention sink's own key, unlike the others;
+  * fixed: inv_freq all zero and sink == mean, so o(p) is one vector at every position.
+Zero mean and sink give the spec's plain format.
 
-The pages hold k - o(p), so attention scores <q, k> = <q, decoded> + <q, o(p)>. The second term
-depends on the key's position, so softmax is not blind to it: every attention path adds it
-(decoded pages get o(p) added back; the fused decode kernel adds <q, o(p)> to its scores).
-docs/BENCHMARKS.md "Quality" has the perplexity this buys. Plain torch: the engine imports it without Triton.
+The pages hold k - o(p), so attention scores <q, k> = <q, decoded> + <q, o(p)>. The decoded-pages
+path adds o(p) back to the keys. A fixed o moves every score of a query row alike, which softmax
+ignores, so the fused decode kernel skips it; a turned one it adds to its scores.
+docs/BENCHMARKS.md "Quality" has the perplexity each buys. Plain torch: the engine imports it without Triton.
 """
 
 from __future__ import annotations
@@ -33,11 +35,6 @@ class KeyOffset:
     mean: torch.Tensor
     sink: torch.Tensor
     inv_freq: torch.Tensor
-
-    @staticmethod
-    def zero(kv_heads: int, head_dim: int, device: torch.device | str) -> KeyOffset:
-        zeros = torch.zeros(kv_heads, head_dim, dtype=torch.float32, device=device)
-        return KeyOffset(zeros, zeros.clone(), torch.zeros(head_dim // 2, dtype=torch.float32, device=device))
 
 
 def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
