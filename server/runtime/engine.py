@@ -151,6 +151,7 @@ class Engine:
         in_file = {raw.ggml_type.name for raw in loaded.raw_weights.values()}
         self.metrics.process.on_start(
             device=str(self.device), kv_cache_dtype_k=kv.k_kind, kv_cache_dtype_v=kv.v_kind,
+            kv_key_offset=self.config.kv_key_offset if kv.k_kind in TURBO_KV_KINDS else "none",
             weight_formats=",".join(sorted(in_memory | in_file)), kernels=backend.describe(self.device),
         )  # fmt: skip
         self.metrics.process.watch_engine(self.is_alive)

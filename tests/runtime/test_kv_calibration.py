@@ -1,6 +1,7 @@
 """Key offsets for turbo K caches: measured once per model, deterministic, handed to every turbo store."""
 
 import torch
+from prometheus_client import REGISTRY
 
 from runtime_toy import ToyConfig, ToyLoaded, ToyModel, make_engine
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
@@ -23,6 +24,15 @@ class KeySpy(DenseKVStore):
     def write(self, k, v, slot_mapping, positions):
         self.keys.append(k.clone())
         super().write(k, v, slot_mapping, positions)
+
+
+def build_info(model_name: str) -> dict:
+    """The labels of turboserve_build_info for ``model_name`` as /metrics would show them now."""
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == "turboserve_build_info" and sample.labels.get("model_name") == model_name:
+                return sample.labels
+    raise AssertionError(f"no turboserve_build_info for {model_name!r}")
 
 
 def tiny_rope_model():
@@ -102,6 +112,7 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
         assert all(not hasattr(s, "key_offset") for s in dense.kv_cache.stores)
         turned = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
                              kv_cache_dtype_v="turbo2", kv_key_offset="turned")
+        assert build_info(turned.model_name)["kv_key_offset"] == "turned", "/metrics must say which offset runs"
         none = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
         engines += [turned, none]
         for store, o in zip(turned.kv_cache.stores, key_offsets(*args, turned=True)):
