@@ -27,6 +27,12 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available() and os.environ.get("TURBOSERVE_REFERENCE_KERNELS") != "1"
 
 
+def inline_ptx(device: torch.device) -> bool:
+    """Whether Triton kernels for ``device`` may use NVIDIA inline assembly (PRMT, LOP3, MUFU sin/cos):
+    CUDA builds of torch only (not ROCm), and not in the CPU interpreter, which cannot run PTX."""
+    return device.type == "cuda" and torch.version.cuda is not None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def describe(device: torch.device) -> str:
     """One line for the start-up log: which kernel bodies this device will run."""
     if device.type != "cuda":

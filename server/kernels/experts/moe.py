@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from server.kernels.backend import use_triton
+from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
@@ -157,7 +156,7 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
             t["codes"].stride(0), t["codes"].stride(1), aux.stride(0), aux.stride(1) if aux.ndim > 1 else 0,
             scale.stride(0), scale.stride(1) if scale.ndim > 1 else 0,
             FORMAT=FORMAT_IDS[fmt], DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ASM=inline_ptx(a.device),
             **gemv_launch_options(fmt, dual),
         )
 
@@ -182,7 +181,7 @@ def launch_expert_mma(a: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, 
             tiles, out, blocks.pair_ids, blocks.block_expert, routing if routing is not None else out, codes, d,
             n, k, blocks.num_pairs, tiles.stride(0), out.stride(0), codes.stride(0), codes.stride(1),
             d.stride(0), d.stride(1), DUAL=dual, ROUTED=routing is not None, A_ROW_DIV=a_row_div,
-            BLOCK_N=mma_block_n, BLOCK_T=blocks.block_m, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            BLOCK_N=mma_block_n, BLOCK_T=blocks.block_m, ASM=inline_ptx(a.device),
             UNROLL=blocks_per_step, num_warps=mma_warps, num_stages=mma_stages,
         )
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.kernels.backend import use_triton
+from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.dense_attention import paged_attention as dense_paged_attention
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
 from server.kernels.rotation import rotate, rotate_rows
@@ -389,7 +389,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),
-            F16=q.dtype != torch.float32, ASM=q.device.type == "cuda" and torch.version.cuda is not None,
+            F16=q.dtype != torch.float32, ASM=inline_ptx(q.device),
             num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
             **({} if num_stages is None else {"num_stages": num_stages}),
             **shape,

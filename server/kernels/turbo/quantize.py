@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels.backend import inline_ptx
 from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
@@ -269,5 +270,5 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
             K_OFFSET="none" if key_offset is None else ("turned" if key_offset_turns else "fixed"),
             STAGES=launch.stages,
-            ASM=k.device.type == "cuda" and torch.version.cuda is not None, num_warps=launch.num_warps, **options,
+            ASM=inline_ptx(k.device), num_warps=launch.num_warps, **options,
         )
