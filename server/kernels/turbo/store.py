@@ -7,8 +7,9 @@ page_size * row_bytes consecutive bytes per page.
 
 Key offset: K pages hold k - o(p), with o the offset of key_offset.py (None by default: the spec's
 plain format). server/runtime/kv_calibration.py measures it per layer at start-up and sets it before
-anything is written. The decoded-pages path adds it back; the fused decode needs to only when it
-turns with p: a constant o shifts every score of a query row alike, which softmax ignores.
+anything is written. Attention adds it back only when it turns with p: a constant o shifts every
+score of a query row alike, which softmax ignores (in exact arithmetic; in float32 the two differ
+by rounding, docs/BENCHMARKS.md "Quality" measures how much that moves perplexity).
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
+        key_offset = self.key_offset if self.offset_turns else None
         if use_triton(q) and meta.is_decode_only:
-            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt,
-                                           self.key_offset if self.offset_turns else None)
-        return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale,
-                                            self.key_offset, page_dtype=self.out_dtype)
+            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
+        return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
+                                            page_dtype=self.out_dtype)

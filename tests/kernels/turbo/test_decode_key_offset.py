@@ -103,7 +103,7 @@ def test_store_attend_takes_the_fused_decode_with_an_offset(monkeypatch):
 
 def test_a_fixed_offset_runs_the_plain_fused_decode_and_softmax_ignores_it(monkeypatch):
     """--kv-key-offset fixed: o(p) = m at every position (sink == mean, no turn) shifts a query row's scores
-    alike, so the store hands the fused kernel no offset, and the output is still attention over decoded + m."""
+    alike, so the store hands attention no offset, and the output is still attention over decoded + m."""
     mean = torch.randn(2, 64, generator=torch.Generator().manual_seed(43)) * 3
     fixed = KeyOffset(mean, mean.clone(), torch.zeros(32))
     seq_lens = [17, 70]
@@ -117,5 +117,8 @@ def test_a_fixed_offset_runs_the_plain_fused_decode_and_softmax_ignores_it(monke
                         lambda *args, **kw: calls.append(args) or decode_attention_triton(*args, **kw))
     assert_close(store.attend(q, meta, 0.125), want, 2e-5, "fused decode without the fixed offset vs float64")
     assert len(calls) == 1 and calls[0][7] is None, "a fixed offset must not cost the fused decode anything"
+    meta, q = step(tables, seq_lens, [5, 70], 4, 64, seed=47)  # prefill: the decoded pages, m not added either
+    want = attention64(q, represented_keys(store, tables, seq_lens), decode64(store.v, 64), meta, 0.125)
+    assert_close(store.attend(q, meta, 0.125), want, 2e-5, "prefill over decoded pages without the fixed offset")
     store.set_key_offset(offset_for(2, 64, 10000.0, seed=46))
     assert store.offset_turns, "a turned offset must reach the fused decode"
