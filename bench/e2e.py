@@ -36,6 +36,7 @@ from bench.harness import (  # noqa: E402
 )
 from server.config import EngineConfig  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402
+from server.runtime.kv_cache import TURBO_KV_KINDS  # noqa: E402
 from server.runtime.models.config import ModelConfig  # noqa: E402
 from server.runtime.models.llama import CausalLM  # noqa: E402
 from server.runtime.sequence import SamplingParams  # noqa: E402
@@ -273,9 +274,9 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
     cfg = SHAPES[name]
     loaded = build_random_model(cfg, device, args.dtype)
     kinds = [(kv_dtype, offset) for kv_dtype in args.kv_cache_dtype
-             for offset in (args.kv_key_offset if kv_dtype.startswith("turbo") else ["fixed"])]
+             for offset in (args.kv_key_offset if kv_dtype in TURBO_KV_KINDS else ["fixed"])]
     for kv_dtype, offset in kinds:
-        label = f"{kv_dtype}, {offset} key offset" if kv_dtype.startswith("turbo") else kv_dtype
+        label = f"{kv_dtype}, {offset} key offset" if kv_dtype in TURBO_KV_KINDS else kv_dtype
         for depth in args.context_depth:
             prompt = max(depth, 1)
             length = prompt + DEPTH_NEW_TOKENS

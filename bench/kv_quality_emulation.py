@@ -42,24 +42,22 @@ PAGE = 16
 
 class EmulatedCache:
     """One layer's float32 dense cache that stores what ``encode(layer, k, v, positions)`` gives back for the
-    K and V it is written, and keeps the last K it was written (for calibration)."""
+    K and V it is written."""
 
     def __init__(self, layer: int, tokens: int, kv_heads: int, head_dim: int, encode):
         self.layer, self.encode, self.page_size = layer, encode, PAGE
         self.store = DenseKVStore(-(-tokens // PAGE), PAGE, kv_heads, head_dim, torch.float32, "cpu")
-        self.keys = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
-        self.keys = k.float()
-        self.store.write(*self.encode(self.layer, self.keys, v.float(), positions), slot_mapping, positions)
+        self.store.write(*self.encode(self.layer, k.float(), v.float(), positions), slot_mapping, positions)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self.store.attend(q, meta, scale)
 
 
 @torch.inference_mode()
-def forward(model, tokens: list[int], encode, scored_from: int) -> tuple[torch.Tensor, list[EmulatedCache]]:
-    """(log-probabilities of the next token at positions scored_from .. n - 2, the layers' caches) of one sequence."""
+def forward(model, tokens: list[int], encode, scored_from: int) -> torch.Tensor:
+    """Log-probabilities of the next token at positions scored_from .. n - 2 of one sequence."""
     cfg, n = model.config, len(tokens)
     caches = [EmulatedCache(i, n, cfg.num_kv_heads, cfg.head_dim, encode) for i in range(cfg.num_layers)]
     pages = -(-n // PAGE)
@@ -69,7 +67,7 @@ def forward(model, tokens: list[int], encode, scored_from: int) -> tuple[torch.T
         seq_lens_cpu=[n], query_lens_cpu=[n],
     )  # fmt: skip
     hidden = model.forward(torch.tensor(tokens), torch.arange(n), caches, meta)
-    return torch.log_softmax(model.compute_logits(hidden[scored_from:-1]), dim=-1), caches
+    return torch.log_softmax(model.compute_logits(hidden[scored_from:-1]), dim=-1)
 
 
 def key_offsets(model, tokenizer) -> dict:
@@ -108,7 +106,7 @@ def main() -> int:
     windows, n_text_tokens = text_windows(tokenizer, text, args.ctx, args.windows)
     offsets = key_offsets(model, tokenizer)
     half = args.ctx // 2  # scored: tokens half + 1 .. ctx - 1, as the perplexity tool
-    exact = [forward(model, w, lambda layer, k, v, positions: (k, v), half)[0] for w in windows]
+    exact = [forward(model, w, lambda layer, k, v, positions: (k, v), half) for w in windows]
     exact_ppl = summarize([nll(lp, w, half) for lp, w in zip(exact, windows)], args.ctx, n_text_tokens).ppl
     print(f"exact model (float32 cache): PPL {exact_ppl:.4f}", flush=True)
     for kind in args.kinds:
@@ -121,7 +119,7 @@ def main() -> int:
 
             nlls, kls = [], []
             for w, ref in zip(windows, exact):
-                logp = forward(model, w, encode, half)[0]
+                logp = forward(model, w, encode, half)
                 nlls.append(nll(logp, w, half))
                 kls.append((ref.exp() * (ref - logp)).sum(-1).mean().item())
             result = summarize(nlls, args.ctx, n_text_tokens)
