@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import (  # noqa: E402
-    BENCHMARKS_DOC, command_line, copy_bandwidth_gbs, dated_heading, environment_line,
+    BENCHMARKS_DOC, command_line, copy_bandwidth_gbs, dated_heading, environment_line, record,
 )
 from server.config import EngineConfig  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402
@@ -300,21 +300,6 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
             print(lines[-1], flush=True)
 
 
-def record(block: str, doc: Path, section: str = SECTION) -> None:
-    """Put the dated block first among ``section``'s blocks, after its intro text (section created when missing)."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if section + "\n" in text:
-        head, tail = text.split(section + "\n", 1)
-        section_end = tail.find("\n## ") + 1 or len(tail)  # the next top-level heading, or the end
-        first_block = tail.find("\n### ", 0, section_end)
-        at = section_end if first_block < 0 else first_block + 1
-        text = head + section + "\n" + tail[:at].rstrip("\n") + "\n\n" + block + "\n" + tail[at:].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n\n" + block
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="smollm2-135m,llama3-8b", help=f"comma list of {', '.join(SHAPES)}")
@@ -379,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     print(block)
     if not args.no_record:
-        record(block, args.doc)
+        record(block, args.doc, SECTION)
     return 0
 
 

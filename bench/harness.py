@@ -24,7 +24,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_DOC = REPO_ROOT / "docs" / "BENCHMARKS.md"
-KERNELS_END_MARKER = "<!-- kernel results: bench/harness.py inserts new blocks above this line -->"
+KERNELS_SECTION = "## Kernels"
 
 
 def require_gpu() -> torch.device:
@@ -231,19 +231,24 @@ def report(
     )
     print(block)
     if doc_path is not None:
-        _insert_block(doc_path, block)
+        record(block, doc_path, KERNELS_SECTION)
     return block
 
 
-def _insert_block(doc_path: Path, block: str) -> None:
-    """Put the block above the kernel-results marker (or at the end when the marker is gone)."""
-    text = doc_path.read_text() if doc_path.exists() else ""
-    if KERNELS_END_MARKER in text:
-        text = text.replace(KERNELS_END_MARKER, block + "\n" + KERNELS_END_MARKER, 1)
+def record(block: str, doc: Path, section: str) -> None:
+    """Put the dated block first among ``section``'s blocks, after its intro text (section created when
+    missing): every section of BENCHMARKS.md reads newest first."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if section + "\n" in text:
+        head, tail = text.split(section + "\n", 1)
+        section_end = tail.find("\n## ") + 1 or len(tail)  # the next top-level heading, or the end
+        first_block = tail.find("\n### ", 0, section_end)
+        at = section_end if first_block < 0 else first_block + 1
+        text = head + section + "\n" + tail[:at].rstrip("\n") + "\n\n" + block + "\n" + tail[at:].lstrip("\n")
     else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + block
-    doc_path.parent.mkdir(parents=True, exist_ok=True)
-    doc_path.write_text(text)
+        text = text.rstrip("\n") + "\n\n" + section + "\n\n" + block
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
 
 
 def self_check() -> None:

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import SHAPES, build_random_model, decode_tokens_per_s, random_prompts, record, run_requests  # noqa: E402
-from bench.harness import BENCHMARKS_DOC, command_line, dated_heading, environment_line  # noqa: E402
+from bench.e2e import SHAPES, build_random_model, decode_tokens_per_s, random_prompts, run_requests  # noqa: E402
+from bench.harness import BENCHMARKS_DOC, command_line, dated_heading, environment_line, record  # noqa: E402
 from server.config import EngineConfig  # noqa: E402
 from server.kernels import timing  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402

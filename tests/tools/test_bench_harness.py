@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.harness import KERNELS_END_MARKER, Row, format_table, report, rotation_count, time_ms
+from bench.harness import Row, format_table, report, rotation_count, time_ms
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,18 +75,27 @@ def test_row_derived_numbers():
     assert "| decode | 0.5000 | - | 2.0000 | 4.00x | 4000 | 80% |" in table, table
 
 
-def test_report_inserts_dated_blocks_above_marker_in_order(tmp_path):
+def test_report_puts_the_newest_block_first_in_the_kernels_section(tmp_path):
     doc = tmp_path / "BENCHMARKS.md"
-    doc.write_text(f"# B\n\n## Kernels\n\n{KERNELS_END_MARKER}\n\n## End-to-end\n")
+    doc.write_text("# B\n\n## Kernels\n\nIntro.\n\n### older (2026-01-01 00:00 UTC)\n\nold\n\n## End to end\n\nE2E.\n")
     cpu = torch.device("cpu")
     report("first", [Row("a", 1.0)], 100.0, "python bench/kernels.py turbo", device=cpu, doc_path=doc)
     report("second", [Row("b", 2.0)], 100.0, "python bench/kernels.py experts", device=cpu, doc_path=doc)
     text = doc.read_text()
-    positions = [text.index(s) for s in ("### first", "### second", KERNELS_END_MARKER, "## End-to-end")]
+    order = ("## Kernels", "Intro.", "### second", "### first", "### older", "## End to end", "E2E.")
+    positions = [text.index(s) for s in order]
     assert positions == sorted(positions), text
     assert "- Command: `python bench/kernels.py turbo`" in text
     assert "- Measured device copy bandwidth: 100 GB/s" in text
     assert " UTC)" in text and "Hardware: CPU, torch " in text
+
+
+def test_report_creates_a_missing_kernels_section(tmp_path):
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# B\n\n## Quality\n\nq\n")
+    report("only", [Row("a", 1.0)], 100.0, "python bench/kernels.py turbo", device=torch.device("cpu"), doc_path=doc)
+    text = doc.read_text()
+    assert text.index("## Quality") < text.index("## Kernels") < text.index("### only"), text
 
 
 def test_report_refuses_empty_rows(tmp_path):
