@@ -328,22 +328,26 @@ def decode_step_timings(device, copy_gbs: float) -> None:
     ids, positions = torch.tensor([7], device=device), torch.tensor([seq_len - 1], device=device)
     outputs = {}
     measured = dict(gemv.MEASURED_M1)
-    for setting, configs in (("1", "default"), ("0", "default"), ("1", "swept")):
+    pre_default = gemv.PRE_WAIT_BYTES
+    for setting, configs, pre in (("1", "default", 0), ("1", "default", 32768), ("1", "default", 0),
+                                  ("1", "default", 32768), ("0", "default", 0), ("1", "swept", pre_default)):
         os.environ["TURBOSERVE_PDL"] = setting
         pdl._supported.cache_clear()
+        gemv.PRE_WAIT_BYTES = pre
         if configs == "swept":
             gemv.MEASURED_M1.update(best_configs)
         try:
             graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, device)
             graphs.capture()
-            outputs[setting + configs] = graphs.run(ids, positions, meta).clone()
+            outputs[setting + configs + str(pre)] = graphs.run(ids, positions, meta).clone()
             ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
-            if setting + configs == "1default":
+            if setting + configs + str(pre) == f"1default{pre_default}":
                 host_loop_ms = _runner_loop_ms(loaded.model, graphs, ids, positions, meta)
         finally:
             gemv.MEASURED_M1.clear()
             gemv.MEASURED_M1.update(measured)
-        print(f"8B decode forward b1 graph replay, PDL {'on' if setting == '1' else 'off'}, {configs} configs: "
+        print(f"8B decode forward b1 graph replay, PDL {'on' if setting == '1' else 'off'}, {configs} configs, "
+              f"W loaded before the wait: {f'{pre // 1024} KiB a program' if pre else 'one K tile'}: "
               f"{ms * 1e3:.0f} us/step ({layer_bytes / ms / 1e6:.0f} GB/s of weights without the LM head, "
               f"{layer_bytes / ms / 1e6 / copy_gbs:.0%} of copy); LM head adds one {lm_head / 1e6:.0f} MB GEMV",
               flush=True)  # fmt: skip
@@ -356,7 +360,11 @@ def decode_step_timings(device, copy_gbs: float) -> None:
             Path(CONFIGS_OUT).write_text(json.dumps({f"{n},{k},{int(fused)}": cfg for (n, k, fused), cfg in best_configs.items()}))
     os.environ.pop("TURBOSERVE_PDL")
     pdl._supported.cache_clear()
-    check("8B decode forward, PDL on vs off (same kernels, other launch)", outputs["1default"], outputs["0default"], 0.0)
+    gemv.PRE_WAIT_BYTES = pre_default
+    check("8B decode forward, PDL on vs off (same kernels, other launch)", outputs["1default0"], outputs["0default0"], 0.0)
+    reference = outputs["1default0"]
+    check("8B decode forward, 32 KiB of W before the wait vs one tile (other summation order; bf16 output)",
+          outputs["1default32768"], reference, 2e-2 * reference.abs().max().item())
     del loaded, stores
     torch.cuda.empty_cache()
 

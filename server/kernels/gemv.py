@@ -10,8 +10,10 @@ pipeline stages keep enough bytes in flight, and no split-K pass (a second launc
 is needed. The sizes were reasoned from an offline sm_90 compile (registers, shared memory, PTX),
 not tuned on the GPU: bench/dense_gpu_check.py times them next to F.linear and sweeps alternatives,
 and MEASURED_M1 takes the ones measured faster. On sm_90 a launch is a programmatic dependent launch
-(server/kernels/pdl.py): the first K tile of W is in flight before the kernel waits for the one that
-wrote x, so in a decode graph the projection's ramp overlaps the previous kernel.
+(server/kernels/pdl.py): a one-row program loads up to PRE_WAIT_BYTES of its W (all of K for the 8B
+qkv, o and gate_up) before it waits for the kernel that wrote x, so in a decode graph each projection
+streams most of its weights during the previous kernel's tail instead of after it. On the H200 that
+took the 8B batch-1 decode graph from 3757 to 3677 us a step (one K tile before the wait, same configs).
 
 Two bodies share the loop: one row (M == 1) multiplies on the CUDA cores and reduces once at the
 end; 2..16 rows pad to 16 and use the tensor cores with W as the wide operand (acc [BLOCK_N, 16]).
@@ -56,20 +58,24 @@ log = logging.getLogger(__name__)
 
 _unusable: str | None = None  # why the kernel cannot run on this GPU, once a build failed (then F.linear only)
 MAX_ROWS = 16  # above this the matmul is no longer weight streaming: cuBLAS tiles win
+NUM_WARPS = 4
 PROGRAMS_TARGET = 4 * 132  # ~4 programs per H200 SM: enough loads in flight, a short tail
 # BLOCK_N * BLOCK_K: 16 KiB of bf16 weights per program per iteration on the CUDA cores (64 fp32
 # accumulators a thread at 4 warps, ~120 registers: 4 programs per SM, each with 2 tiles in flight);
 # half that for tensor cores, whose W and padded x tiles both take shared memory in every stage.
 # A paired program holds two tiles of half the size.
 TILE_ELEMENTS = 8192
+PRE_WAIT_BYTES = 32768  # of W a one-row program loads before it waits for x (pdl.py); _pre_tiles
 # One-row configurations measured faster than the rule in _config, by shape:
 # (N, K, fused epilogue) -> (BLOCK_N, BLOCK_K, STAGES). bench/dense_gpu_check.py sweeps and prints them.
-# Llama-3-8B's projections on one H200 (2026-11-29, docs/BENCHMARKS.md): the decode graph went from
-# 3983 to 3921 us a step. Any valid configuration is correct on any GPU; only its speed was measured here.
+# Llama-3-8B's projections on one H200 with the wide tile loaded before the wait (2026-11-30, docs/BENCHMARKS.md):
+# BLOCK_K 1024 lets qkv, o and gate_up load all of K before it. Any valid configuration is correct on any GPU;
+# only its speed was measured here.
 MEASURED_M1: dict[tuple[int, int, bool], tuple[int, int, int]] = {
-    (6144, 4096, True): (4, 512, 4),  # qkv + RoPE
+    (6144, 4096, True): (2, 1024, 3),  # qkv + RoPE
+    (4096, 4096, False): (4, 1024, 3),  # o
     (28672, 4096, True): (2, 1024, 3),  # gate_up + SiLU*up
-    (4096, 14336, False): (8, 512, 4),  # down
+    (4096, 14336, False): (4, 1024, 3),  # down
 }
 
 
@@ -126,6 +132,18 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _accumulate_wide(acc, w, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TILES: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """_accumulate of a [BLOCK_N, TILES * BLOCK_K] tile of W (and x's matching columns)."""
+    if BLOCK_M == 1 and TILES > 1:
+        prod = w.to(tl.float32) * x.to(tl.float32)
+        acc += tl.sum(tl.reshape(prod, (BLOCK_N, TILES, BLOCK_K)), axis=1)
+    else:
+        acc = _accumulate(acc, w, x, BLOCK_M, INPUT_PRECISION)  # the dot takes any K
+    return acc
+
+
+@triton.jit
 def _reduced(acc, BLOCK_M: tl.constexpr):
     """[BLOCK_N, BLOCK_M] float32 results of an accumulator."""
     if BLOCK_M == 1:
@@ -142,6 +160,7 @@ def _skinny_matmul_kernel(
     EPILOGUE: tl.constexpr, ROTATED: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr, KV_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    PRE_TILES: tl.constexpr,
 ):  # fmt: skip
     # j: this program's outputs (rows of W, or pairs of rows when an epilogue is fused).
     j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,21 +184,22 @@ def _skinny_matmul_kernel(
     else:
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_b = tl.zeros_like(acc_a)  # loop-carried but untouched without an epilogue: the compiler drops it
-    # The first K tile of W depends on no earlier kernel: under PDL it streams while that kernel finishes.
+    # The first PRE_TILES K tiles of W depend on no earlier kernel: loaded as one wide tile, they stream
+    # under PDL while that kernel finishes (the x they meet is loaded after the wait).
     if USE_PDL:
         gdc_launch_dependents()
-    cols = tl.arange(0, BLOCK_K)
-    wa = _load_w(w_ptr + wa_rows[:, None] + cols[None, :], cols, K, EVEN_K)
+    pre = tl.arange(0, PRE_TILES * BLOCK_K)
+    wa_pre = _load_w(w_ptr + wa_rows[:, None] + pre[None, :], pre, K, EVEN_K)
     if EPILOGUE != "none":
-        wb = _load_w(w_ptr + wb_rows[:, None] + cols[None, :], cols, K, EVEN_K)
+        wb_pre = _load_w(w_ptr + wb_rows[:, None] + pre[None, :], pre, K, EVEN_K)
     if USE_PDL:
         gdc_wait()  # x is the previous kernel's output
-    x = _load_x(x_ptr + m[:, None] * stride_xm + cols[None, :], m_mask, cols, K, EVEN_K)
-    acc_a = _accumulate(acc_a, wa, x, BLOCK_M, INPUT_PRECISION)
+    x_pre = _load_x(x_ptr + m[:, None] * stride_xm + pre[None, :], m_mask, pre, K, EVEN_K)
+    acc_a = _accumulate_wide(acc_a, wa_pre, x_pre, BLOCK_M, BLOCK_N, BLOCK_K, PRE_TILES, INPUT_PRECISION)
     if EPILOGUE != "none":
-        acc_b = _accumulate(acc_b, wb, x, BLOCK_M, INPUT_PRECISION)
+        acc_b = _accumulate_wide(acc_b, wb_pre, x_pre, BLOCK_M, BLOCK_N, BLOCK_K, PRE_TILES, INPUT_PRECISION)
     # An explicit stage count: Triton pipelines (cp.async) loops without a tl.dot only when asked.
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(PRE_TILES * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = _load_x(x_ptr + m[:, None] * stride_xm + cols[None, :], m_mask, cols, K, EVEN_K)
         wa = _load_w(w_ptr + wa_rows[:, None] + cols[None, :], cols, K, EVEN_K)
@@ -243,6 +263,20 @@ def _config(rows: int, n: int, k: int, paired: bool = False) -> tuple[int, int, 
     return block_m, block_n, block_k, 3 if rows == 1 else 4
 
 
+def _pre_tiles(rows: int, block_n: int, block_k: int, k: int, elem_bytes: int, paired: bool) -> int:
+    """K tiles loaded before the wait: a power of two (one wide tile) within PRE_WAIT_BYTES and K; one row only
+    (the tensor-core body keeps one). The wide tile's K tiles must meet in the same threads, so that adding
+    them up stays in registers: BLOCK_K a multiple of the columns one pass of 16-byte loads covers (else
+    a shared-memory round trip made the kernel 2-5x slower on the H200, docs/BENCHMARKS.md)."""
+    tile_bytes = block_n * block_k * elem_bytes * (2 if paired else 1)
+    one_pass = 16 // elem_bytes * 32 * NUM_WARPS
+    tiles = 1
+    while (rows == 1 and block_k % one_pass == 0 and 2 * tiles * tile_bytes <= PRE_WAIT_BYTES
+           and 2 * tiles * block_k <= k):
+        tiles *= 2
+    return tiles
+
+
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -283,7 +317,8 @@ def _launch(x, weight, bias, out_width, epilogue="none", positions=None, inv_fre
         EPILOGUE=epilogue, ROTATED=rotated, HALF=half, WRITE_KV=kv_cache is not None, KV_ROWS=kv_rows,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 stays exact (no TF32)
-        STAGES=stages, num_warps=4, **pdl.launch_options(x.device),
+        STAGES=stages, num_warps=NUM_WARPS, PRE_TILES=_pre_tiles(rows, block_n, block_k, k, x.element_size(), epilogue != "none"),
+        **pdl.launch_options(x.device),
     )  # fmt: skip
     return y
 

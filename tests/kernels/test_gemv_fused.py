@@ -172,3 +172,20 @@ def test_measured_one_row_configs_replace_the_rule_and_keep_results(monkeypatch)
     x, w = torch.randn(1, 70, generator=g).to(torch.float16), (torch.randn(2 * 19, 70, generator=g) * 0.3).to(torch.float16)
     assert_close(gemv.skinny_matmul_silu_and_mul(x, w), silu_and_mul_oracle(x, w), 4e-3, 2**-8, "measured paired config")
     assert_close(gemv.skinny_matmul(x, w[:19]), x.double() @ w[:19].double().T, 1e-3, 2**-10, "measured plain config")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_one_row_programs_that_load_several_k_tiles_before_the_wait_keep_results(monkeypatch, dtype):
+    # BLOCK_K 1024 lets a one-row program take its first K tiles as one wide tile (gemv._pre_tiles); K not a
+    # multiple of it leaves the last tile ragged, the wide one full (plain) or partly past the end (paired).
+    monkeypatch.setattr(gemv, "MEASURED_M1", {(2 * 19, 3000, True): (2, 1024, 2), (19, 4100, False): (4, 1024, 2)})
+    size = torch.tensor([], dtype=dtype).element_size()
+    assert gemv._pre_tiles(1, 2, 1024, 3000, size, True) == 2
+    assert gemv._pre_tiles(1, 4, 1024, 4100, size, False) == (4 if dtype == torch.float16 else 2)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 4100, generator=g).to(dtype)
+    w = (torch.randn(2 * 19, 4100, generator=g) * 0.05).to(dtype)
+    atol, rtol = (2e-3, 2**-9) if dtype == torch.float16 else (1e-4, 1e-5)
+    assert_close(gemv.skinny_matmul(x, w[:19]), x.double() @ w[:19].double().T, atol, rtol, "wide first tile, plain")
+    xs, ws = x[:, :3000].contiguous(), w[:, :3000].contiguous()
+    assert_close(gemv.skinny_matmul_silu_and_mul(xs, ws), silu_and_mul_oracle(xs, ws), atol, rtol, "wide first tile, paired")
