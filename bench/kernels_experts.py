@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import Row, time_ms
-from server.kernels.experts import moe
+from server.kernels.experts import int8_activations, moe
 from server.kernels.experts.moe_reference import fused_moe_reference
 from server.kernels.experts.routing import (
     align_pairs,
@@ -150,13 +150,16 @@ def _decode_inputs(shape: dict, tokens: int, device, gen) -> tuple[list, int, in
     return sets, min(8, shape["experts"] // m), m
 
 
-def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> list[Row]:
+def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, formats=FORMATS,
+                 other_bodies=("mma", "gemv", "gemm")) -> list[Row]:
+    """Full op and kernels-only rows of the dispatched decode body, then the ``other_bodies`` on the same inputs
+    (q formats also "dp4a": 8-bit activations, its two quantization launches included)."""
     gen = torch.Generator(device=device).manual_seed(1)
     d, i, e = shape["d"], shape["i"], shape["experts"]
     base_gu = torch.randn((e, 2 * i, d), generator=gen, device=device, dtype=torch.bfloat16) / d**0.5
     base_dn = torch.randn((e, d, i), generator=gen, device=device, dtype=torch.bfloat16) / i**0.5
     rows = []
-    for fmt in FORMATS:
+    for fmt in formats:
         gu = random_weights(fmt, e, 2 * i, d, device, gen)
         dn = random_weights(fmt, e, d, i, device, gen)
         for tokens in token_counts:
@@ -171,11 +174,17 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device) -> lis
             nbytes = gu.packed_bytes(used) + dn.packed_bytes(used)
             case = f"{label} {fmt} decode T={tokens} ({used} experts)"
             rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + kernels)"))
+            if fmt in ("q1_0", "q2_0") and "dp4a" in other_bodies:
+                ours8 = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn, int8_activations=True),
+                                n_inputs=n_sets, device=device)
+                rows.append(Row(case + ", int8 activations", ours8, base, nbytes, "bf16 bmm",
+                                "full op (routing + rotations + quantization + kernels)"))
             rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm",
                             f"two fused launches, {body.upper()} body"))
             # the other decode bodies on the same inputs, for comparison
-            decode_bodies = ("mma", "gemv", "gemm") if fmt == "q2_0" else ("gemv", "gemm")
-            for other in [b for b in decode_bodies if b != body] if body != "gemm" else ():
+            decode_bodies = {"q2_0": ("mma", "gemv", "gemm", "dp4a"), "q1_0": ("gemv", "gemm", "dp4a")}.get(
+                fmt, ("gemv", "gemm"))
+            for other in [b for b in decode_bodies if b != body and b in other_bodies] if body != "gemm" else ():
                 kernels = [_prepared_kernels(s, gu, dn, other) for s in sets[:n_sets]]
                 o_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                 rows.append(Row(case + f" kernels only, {other.upper()} body", o_ms, base, nbytes, "bf16 bmm",
@@ -191,7 +200,8 @@ def _decode_body(fmt: str, num_pairs: int, num_experts: int) -> str:
 
 
 def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
-    """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "mma", "gemv" or "gemm")."""
+    """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "mma", "gemv", "gemm", or "dp4a":
+    the two integer-dot launches each after its activations' quantization launch)."""
     x, w, ids, _ = s
     top_k = ids.shape[1]
     xr = gu.rotate_input(x).contiguous()
@@ -204,6 +214,13 @@ def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
         def run():
             moe.launch_expert_gemv(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
             moe.launch_expert_gemv(h, y, expert_ids, dn, routing=routing)
+    elif body == "dp4a":
+        expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
+
+        def run():
+            moe.launch_expert_dp4a(int8_activations.quantize_triton(xr, gu.format), h, expert_ids, gu, dual=True,
+                                   a_row_div=top_k)
+            moe.launch_expert_dp4a(int8_activations.quantize_triton(h, dn.format), y, expert_ids, dn, routing=routing)
     else:
         if body == "mma":
             launch, blocks = moe.launch_expert_mma, single_pair_blocks(ids, moe.MMA_BLOCK_T)
@@ -346,26 +363,27 @@ def fused_gemv(x, w, ids, gu, dn):
         moe.MMA_MIN_PAIRS = saved
 
 
-def _deep_decode_error(op, gu: ExpertWeights, dn: ExpertWeights, dtype, tokens: int, gen, device) -> float:
-    """Relative error of ``op(x, weights, ids, gu, dn)`` against the float32 reference on random ``dtype``
-    activations at D=6144, 64 experts, top-8, one token routed twice to one expert; the output lands in a
-    buffer poisoned with NaN first."""
+def _deep_decode_error(op, gu: ExpertWeights, dn: ExpertWeights, dtype, tokens: int, gen, device,
+                       int8_reference: bool = False) -> float:
+    """Relative error of ``op(x, weights, ids, gu, dn)`` against the float32 reference (with 8-bit activations
+    when ``int8_reference``) on random ``dtype`` activations at D=6144, 64 experts, top-8, one token routed twice
+    to one expert; the output lands in a buffer poisoned with NaN first."""
     x = torch.randn((tokens, 6144), generator=gen, device=device).to(dtype)
     ids = torch.rand((tokens, 64), generator=gen, device=device).topk(8, 1).indices
     ids[0, 1] = ids[0, 0]
     w = torch.rand((tokens, 8), generator=gen, device=device)
-    ref = fused_moe_reference(x.float(), w, ids, gu, dn)
+    ref = fused_moe_reference(x.float(), w, ids, gu, dn, int8_activations=int8_reference)
     out = torch.full((tokens, 6144), float("nan"), device=device)
     out.copy_(op(x, w.to(dtype), ids, gu, dn).float())
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def check_gemv(device) -> list[str]:
+def check_gemv(device, formats=FORMATS) -> list[str]:
     """The GEMV body (q2_0 levels in inline assembly, activations converted as loaded) against the float32
     reference at the deep widths, bf16 and fp16 activations, 1 and 8 tokens; raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(7)
     lines = []
-    for fmt in FORMATS:
+    for fmt in formats:
         gu = random_weights(fmt, 64, 2 * 2048, 6144, device, gen)
         dn = random_weights(fmt, 64, 6144, 2048, device, gen)
         for dtype, bound in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
@@ -375,6 +393,119 @@ def check_gemv(device) -> list[str]:
                 if not err < bound:
                     raise AssertionError(f"GEMV body disagrees with the reference: {lines[-1]}")
     return lines
+
+
+# Bounds of the integer-dot body against the reference with the same int8 rounding, by activation dtype. With
+# float32 activations both round the same values (the rotation is the same kernel, quantize_triton equals its
+# definition bit for bit), and only h's float32 summation order may flip a rare rounding. With fp16/bf16 the fast
+# path rotates x and stores h in that dtype, and each value moved by a dtype rounding δ crosses an int8 rounding
+# boundary with probability δ/s, then moving by a whole step s: an error of sqrt(δ·s) instead of δ, a few times
+# the dtype's own (measured in the interpreter at D = I = 128, bf16: 1.0e-2 for q2_0, 1.3e-2 for q1_0).
+DP4A_BOUNDS = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def check_dp4a(device) -> list[str]:
+    """8-bit activations on the device: the quantization kernel bit for bit against the torch definition (IEEE
+    division and rounding on the GPU); the integer-dot body (dp4a assembly) against the reference with the same
+    rounding at D=6144 I=2048 E=64 top-8, float32, fp16 and bf16, 1 and 8 tokens (one routed twice), bounds
+    DP4A_BOUNDS; and its distance from the float reference (what the rounding costs); raises on mismatch."""
+    gen = torch.Generator(device=device).manual_seed(10)
+    lines = []
+    for fmt in ("q2_0", "q1_0"):
+        a = torch.randn((8, 6144), generator=gen, device=device) * torch.rand((8, 1), generator=gen, device=device)
+        a[0, 64:96] = 0
+        if not torch.equal(int8_activations.quantize_triton(a, fmt), int8_activations.quantize_reference(a, fmt)):
+            raise AssertionError(f"{fmt}: the activation quantization kernel differs from its torch definition")
+        lines.append(f"{fmt} int8 activation planes: equal to the torch definition (8 x 6144)")
+        gu = random_weights(fmt, 64, 2 * 2048, 6144, device, gen)
+        dn = random_weights(fmt, 64, 6144, 2048, device, gen)
+        op = functools.partial(moe.fused_moe_triton, gemv=True, int8_activations=True)
+        for dtype, bound in DP4A_BOUNDS.items():
+            for tokens in (1, 8):
+                seed = int(torch.randint(0, 1 << 30, (1,), generator=gen, device=device))
+                err = _deep_decode_error(op, gu, dn, dtype, tokens, torch.Generator(device=device).manual_seed(seed),
+                                         device, int8_reference=True)
+                err_float = _deep_decode_error(op, gu, dn, dtype, tokens,
+                                               torch.Generator(device=device).manual_seed(seed), device)
+                lines.append(f"{fmt} DP4A body {dtype} T={tokens}: rel err {err:.2e} vs the int8 reference (bound "
+                             f"{bound:.0e}), {err_float:.2e} vs the float reference")
+                if not err < bound:
+                    raise AssertionError(f"dp4a body disagrees with the int8-activation reference: {lines[-1]}")
+    return lines
+
+
+# (K step, gate_up warps, down warps, gate_up rows, down rows): moe.dp4a_block_k, moe.dp4a_gate_up_options,
+# moe.dp4a_down_options, moe.GEMV_BLOCK_N, moe.gemv_down_block_n. The first is the setting the tree ships.
+DP4A_SWEEP = ((512, 2, 4, 16, 32), (256, 2, 4, 16, 32), (1024, 2, 4, 16, 32), (1024, 4, 8, 16, 32),
+              (512, 4, 4, 16, 32), (512, 2, 4, 32, 32))
+
+
+def _dp4a_settings(config: tuple) -> None:
+    block_k, gu_warps, dn_warps, moe.GEMV_BLOCK_N, moe.gemv_down_block_n = config
+    moe.dp4a_block_k = block_k
+    moe.dp4a_gate_up_options = {"num_warps": gu_warps}
+    moe.dp4a_down_options = {"num_warps": dn_warps}
+
+
+def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(1, 8), configs=DP4A_SWEEP) -> tuple:
+    """Kernel-only times of the integer-dot body at the deep shape (the two quantization launches included) for
+    DP4A_SWEEP, each checked against the int8 reference on the first input set; at one token also each launch
+    alone. Leaves moe at the fastest setting (geometric mean) and returns it."""
+    gen = torch.Generator(device=device).manual_seed(11)
+    d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
+    saved = (moe.GEMV_BLOCK_N, moe.gemv_down_block_n)
+    log_sum = [0.0] * len(configs)
+    for fmt in formats:
+        gu = random_weights(fmt, e, 2 * i, d, device, gen)
+        dn = random_weights(fmt, e, d, i, device, gen)
+        for tokens in token_counts:
+            sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
+            nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+            x, w, ids, _ = sets[0]
+            ref = fused_moe_reference(x.float(), w, ids, gu, dn, int8_activations=True)
+            for c, config in enumerate(configs):
+                _dp4a_settings(config)
+                got = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=True).float()
+                err = ((got - ref).norm() / ref.norm()).item()
+                if not err < DP4A_BOUNDS[torch.bfloat16]:
+                    print(f"sweep dp4a deep {fmt} T={tokens} {config}: WRONG, rel err {err:.2e} vs the int8 reference")
+                    log_sum[c] = float("inf")
+                    continue
+                kernels = [_prepared_kernels(s, gu, dn, "dp4a") for s in sets[:n_sets]]
+                ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
+                log_sum[c] += math.log(ms)
+                gbs = nbytes / ms / 1e6
+                line = (f"sweep dp4a deep {fmt} T={tokens} (K step, gu warps, dn warps, gu rows, dn rows)={config}: "
+                        f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy, rel err {err:.1e}")
+                if tokens == 1:
+                    line += "; alone: " + ", ".join(f"{k} {v:.1f} us" for k, v in _dp4a_launch_us(sets, n_sets, gu, dn,
+                                                                                                     device).items())
+                print(line, flush=True)
+    best = configs[min(range(len(configs)), key=log_sum.__getitem__)]
+    _dp4a_settings(configs[0])
+    moe.GEMV_BLOCK_N, moe.gemv_down_block_n = saved
+    print(f"sweep dp4a: fastest (geometric mean) over {formats} x T={token_counts}: {best}; the rows below use the "
+          f"shipped {configs[0]}", flush=True)
+    return best
+
+
+def _dp4a_launch_us(sets, n_sets: int, gu: ExpertWeights, dn: ExpertWeights, device) -> dict:
+    """Device microseconds of each launch of the integer-dot decode alone: quantize x, gate_up, quantize h, down."""
+    prepared = []
+    for x, w, ids, _ in sets[:n_sets]:
+        expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
+        h = torch.randn((ids.numel(), gu.shape[1] // 2), device=device).to(x.dtype)
+        ax, ah = int8_activations.quantize_triton(x, gu.format), int8_activations.quantize_triton(h, dn.format)
+        y = torch.empty((ids.numel(), gu.shape[2]), dtype=torch.float32, device=device)
+        prepared.append((x, h, ax, ah, y, expert_ids, w.reshape(-1).float().contiguous(), ids.shape[1]))
+    launches = {
+        "quantize x": lambda p: int8_activations.quantize_triton(p[0], gu.format),
+        "gate_up": lambda p: moe.launch_expert_dp4a(p[2], p[1], p[5], gu, dual=True, a_row_div=p[7]),
+        "quantize h": lambda p: int8_activations.quantize_triton(p[1], dn.format),
+        "down": lambda p: moe.launch_expert_dp4a(p[3], p[4], p[5], dn, routing=p[6]),
+    }
+    return {k: time_ms(lambda j, f=f: f(prepared[j]), n_inputs=n_sets, device=device) * 1e3
+            for k, f in launches.items()}
 
 
 # (rows per program, q blocks per K step, warps, pipeline depth)
@@ -502,7 +633,26 @@ def routing_rows(device) -> list[Row]:
     return rows
 
 
+def run_dp4a(device: torch.device, copy_gbs: float):
+    """EXPERTS_DP4A=1: the 8-bit-activation checks, the integer-dot sweep, and q1_0/q2_0 decode rows of the GEMV and
+    dp4a bodies only (deep T=1 and T=8, Mixtral T=1); the float GEMV body is checked for q2_0 (its epilogue,
+    the same for every format, is shared with the dp4a body)."""
+    for line in check_dp4a(device) + check_gemv(device, formats=("q2_0",)):
+        print("correctness:", line, flush=True)
+    sweep_dp4a(device, copy_gbs)
+    rows = []
+    for shape, label, tokens in ((DEEP, "deep D6144 I2048 E64 top8", (1, 8)), (MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,))):
+        try:
+            rows += _decode_rows(shape, label, tokens, copy_gbs, device, formats=("q2_0", "q1_0"),
+                                 other_bodies=("gemv", "dp4a"))
+        except Exception:  # noqa: BLE001 - keep what was measured
+            traceback.print_exc()
+    return "Quantized MoE experts: q1_0/q2_0 decode on 8-bit activations (dp4a) vs bf16 bmm", rows
+
+
 def run(device: torch.device, copy_gbs: float):
+    if os.environ.get("EXPERTS_DP4A") == "1":
+        return run_dp4a(device, copy_gbs)
     gemv_checks = check_gemv(device)  # first: the GEMV sweep below times the body it checks
     for line in gemv_checks + check_routing(device) + check_correctness(device) + check_mma(device):
         print("correctness:", line, flush=True)

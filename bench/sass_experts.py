@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.sass import TOOLS, compile_sm90, sass_counts  # noqa: E402  (also turns the interpreter off)
 from server.kernels.experts import moe  # noqa: E402
 from server.kernels.experts.moe import DECODE_BLOCK_M, _gemv_block_k  # noqa: E402
+from server.kernels.experts.moe_dp4a import _expert_dp4a  # noqa: E402
 from server.kernels.experts.moe_gemv import _expert_gemv  # noqa: E402
 from server.kernels.experts.moe_mma import _expert_mma  # noqa: E402
 from server.kernels.experts.moe_triton import FORMAT_IDS, _expert_gemm  # noqa: E402
@@ -129,7 +130,47 @@ def count_mma(dual: bool, bf16: bool) -> tuple[float, int, int, int, int]:
             sum(n for op, n in loop.items() if "GMMA" in op))
 
 
+def count_dp4a(fmt: str, dual: bool, block_k: int | None = None, warps: int | None = None) -> dict:
+    """The integer-dot body (moe_dp4a.py) at moe's launch settings (or ``block_k`` / ``warps``) and the D=6144
+    decode shape: loop instructions per weight a thread handles in one step, registers, spills, the loop's
+    16-byte loads, IDP (dp4a) and shared-memory instructions (a layout conversion of the tile would show there)."""
+    k = 6144 if dual else 2048
+    block_k = block_k or max({"q1_0": 128, "q2_0": 64}[fmt], min(moe.dp4a_block_k, k))
+    warps = warps or (moe.dp4a_gate_up_options if dual else moe.dp4a_down_options)["num_warps"]
+    block_n = moe.GEMV_BLOCK_N if dual else moe.gemv_down_block_n
+    sig = {"act_ptr": "*i32", "out_ptr": "*bf16" if dual else "*fp32", "expert_ids_ptr": "*i32",
+           "routing_ptr": "*fp32", "w_ptr": "*u8", "d_ptr": "*fp16", "N": "i32", "K": "i32", "G": "i32",
+           "stride_am": "i32", "stride_om": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_de": "i32",
+           "stride_dn": "i32"}
+    constexprs = {"FORMAT": FORMAT_IDS[fmt], "DUAL": dual, "ROUTED": not dual, "A_ROW_DIV": 8 if dual else 1,
+                  "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "ASM": True, "USE_PDL": True}
+    divisible = frozenset({"N", "K", "G", "stride_am", "stride_om", "stride_we", "stride_wn", "stride_de",
+                           "stride_dn"})
+    kernel = compile_sm90(_expert_dp4a, sig | dict.fromkeys(constexprs, "constexpr"), constexprs, warps, divisible)
+    _, res = sass_counts(kernel)
+    loop = loop_opcodes(kernel)
+    rows = 2 * block_n if dual else block_n
+    return {"per_weight": sum(loop.values()) / (rows * block_k / (32 * warps)), "regs": res["REG"],
+            "spill": res["LOCAL"], "ldg128": sum(n for op, n in loop.items() if op.startswith("LDG") and op.endswith(".128")),
+            "ldg": sum(n for op, n in loop.items() if op.startswith("LDG")),
+            "idp": sum(n for op, n in loop.items() if op.startswith("IDP")),
+            "shared": sum(n for op, n in loop.items() if op.startswith(("LDS", "STS"))), "block_k": block_k,
+            "warps": warps, "loop": loop}
+
+
 def main() -> None:
+    if "--dp4a" in sys.argv:
+        print(f"Triton {triton.__version__}; integer-dot body (moe_dp4a.py)")
+        print("| format | projection | K step | warps | instr/weight | regs | LDG (16-byte) | IDP | LDS+STS |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for fmt in ("q2_0", "q1_0"):
+            for dual in (True, False):
+                for block_k in (256, 512, 1024):
+                    c = count_dp4a(fmt, dual, block_k)
+                    print(f"| {fmt} | {'gate_up' if dual else 'down'} | {block_k} | {c['warps']} | {c['per_weight']:.2f} "
+                          f"| {c['regs']} | {c['ldg']} ({c['ldg128']}) | {c['idp']} | {c['shared']} |"
+                          f"{' (spills)' if c['spill'] else ''}", flush=True)
+        return
     print(f"Triton {triton.__version__}")
     print("| format | projection | GEMV body instr/weight | regs | 16-byte loads | GEMM body (decode) instr/weight "
           "| regs |")

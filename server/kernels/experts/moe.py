@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from server.kernels import pdl
 from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p
+from server.kernels.experts.int8_activations import GROUP as INT8_GROUP, quantize_triton as quantize_int8
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
+from server.kernels.experts.moe_dp4a import _expert_dp4a
 from server.kernels.experts.moe_gemv import E8_FIELD_MASK, _expert_gemv
 from server.kernels.experts.moe_mma import _expert_mma, tile_order
 from server.kernels.experts.routing import ExpertBlocks, align_pairs, single_pair_blocks
@@ -43,15 +47,28 @@ def _say_once(message: str) -> None:
 def fused_moe(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights) -> torch.Tensor:
     """x [T, D], topk_weights/topk_ids [T, top_k] -> y [T, D] in x's dtype."""
     check_moe_args(x, topk_weights, topk_ids, gate_up, down)
+    int8 = int8_activations_enabled(gate_up.format)
     if use_triton(x):
         if x.dtype not in _FAST_DTYPES:
             _say_once(f"quantized experts: no Triton body for activations of dtype {x.dtype}; using the reference")
         else:
             try:
-                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down)
+                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down, int8_activations=int8)
             except OutOfResources as exc:  # spec "Guards": slower but correct, said once, never silent
                 _say_once(f"quantized experts: {gate_up.format} kernel does not fit this GPU ({exc}); using the reference")
-    return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down)
+    return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down, int8_activations=int8)
+
+
+# TURBOSERVE_INT8_EXPERT_ACTIVATIONS=1: q1_0/q2_0 experts multiply activations rounded to int8 per 32 values
+# (int8_activations.py). On the GPU only the GEMV regime (decode) takes it, through the integer-dot body
+# (moe_dp4a.py); the reference, which the CPU runs, rounds every token's activations, so CPU perplexity with it
+# measures the mode's quality cost on all tokens. Opt-in: it changes the op's numerics.
+INT8_ACTIVATIONS = os.environ.get("TURBOSERVE_INT8_EXPERT_ACTIVATIONS", "0") == "1"
+
+
+def int8_activations_enabled(fmt: str) -> bool:
+    """Whether experts in ``fmt`` take 8-bit activations (INT8_ACTIVATIONS; q1_0/q2_0 only)."""
+    return INT8_ACTIVATIONS and fmt in ("q1_0", "q2_0")
 
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
@@ -72,9 +89,12 @@ _GEMV_FORMATS = ("e8p", "e8p3", "q1_0", "q2_0")
 
 
 def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights,
-                     block_m: int | None = None, gemv: bool | None = None) -> torch.Tensor:
+                     block_m: int | None = None, gemv: bool | None = None,
+                     int8_activations: bool = False) -> torch.Tensor:
     """``block_m`` forces the GEMM body with that block; ``gemv`` forces (True) or refuses (False) the GEMV
-    regime (the GEMV body, or the tensor-core body where use_mma says so)."""
+    regime (the GEMV body, or the tensor-core body where use_mma says so). ``int8_activations`` (q1_0/q2_0):
+    the GEMV regime runs the integer-dot body on activations rounded to int8 (moe_dp4a.py); other regimes and
+    formats ignore it."""
     num_tokens, top_k = topk_ids.shape
     num_e, two_i, d = gate_up.shape
     num_pairs = num_tokens * top_k
@@ -89,7 +109,14 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
     routing = topk_weights.reshape(-1).float().contiguous()
-    if gemv and use_mma(gate_up.format, x.dtype, num_pairs):
+    if gemv and int8_activations and gate_up.format in ("q1_0", "q2_0"):
+        _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through dp4a (moe_dp4a.py)")
+        expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        launch_expert_dp4a(quantize_int8(xr, gate_up.format), h, expert_ids, gate_up, dual=True,
+                           a_row_div=top_k)
+        launch_expert_dp4a(quantize_int8(down.rotate_input(h), down.format), y_pairs, expert_ids,
+                           down, routing=routing)
+    elif gemv and use_mma(gate_up.format, x.dtype, num_pairs):
         blocks = single_pair_blocks(topk_ids, MMA_BLOCK_T)
         launch_expert_mma(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
         launch_expert_mma(down.rotate_input(h), y_pairs, blocks, down, routing=routing)
@@ -159,6 +186,33 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ASM=inline_ptx(a.device),
             **gemv_launch_options(fmt, dual),
         )
+
+
+def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
+                       dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """As launch_expert_gemv for q1_0/q2_0 on activations from int8_activations.quantize_triton (act [rows,
+    PLANES, K/32] int32) through integer dot products (moe_dp4a.py)."""
+    num_e, rows, k = w.shape
+    n = rows // 2 if dual else rows
+    codes, d = w.tensors["codes"], w.tensors["d"]
+    block_k = max(K_UNIT[w.format], min(dp4a_block_k, triton.next_power_of_2(k)))
+    block_n = GEMV_BLOCK_N if dual else gemv_down_block_n
+    grid = (expert_ids.numel(), triton.cdiv(n, block_n))
+    with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_dp4a", act.device):
+        _expert_dp4a[grid](
+            act, out, expert_ids, routing if routing is not None else out, codes, d,
+            n, k, k // INT8_GROUP, act.stride(0), out.stride(0), codes.stride(0), codes.stride(1),
+            d.stride(0), d.stride(1), FORMAT=FORMAT_IDS[w.format], DUAL=dual, ROUTED=routing is not None,
+            A_ROW_DIV=a_row_div, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ASM=inline_ptx(act.device),
+            **(dp4a_gate_up_options if dual else dp4a_down_options), **pdl.launch_options(act.device),
+        )
+
+
+# Launch settings of the integer-dot body, module-level so benchmark sweeps set them: inputs per K step (a
+# program's bytes in flight: its next step's codes), and warps of the gate_up / down programs.
+dp4a_block_k = 512
+dp4a_gate_up_options = {"num_warps": 2}
+dp4a_down_options = {"num_warps": 4}
 
 
 def use_mma(fmt: str, dtype: torch.dtype, num_pairs: int) -> bool:

@@ -302,24 +302,39 @@ def _expert_gemv(a_ptr, out_ptr, expert_ids_ptr, routing_ptr,
     """
     pair = tl.program_id(0)
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-    a_row = (pair // A_ROW_DIV).to(tl.int64)
-    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_row_ptr = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
     w_e = w_ptr + expert * stride_we
     aux_e = aux_ptr + expert * stride_xe
     scale_e = scale_ptr + expert * stride_se
-    a_row_ptr = a_ptr + a_row * stride_am
-    # Surplus rows read real (clamped) data and are dropped at the store.
-    if DUAL:  # gate row n and up row N + n interleaved in one tile: one pass over K reads both
+    rows = _gemv_tile_rows(N, BLOCK_N, DUAL)
+    acc = _gemv_rows(a_row_ptr, field_mask, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
+                     stride_wn, stride_xn, stride_sn, FORMAT, rows.shape[0], BLOCK_K, EVEN_K, ASM)
+    _gemv_store(acc, out_ptr, routing_ptr, pair, stride_om, N, BLOCK_N, DUAL, ROUTED)
+
+
+@triton.jit
+def _gemv_tile_rows(N, BLOCK_N: tl.constexpr, DUAL: tl.constexpr):
+    """The weight rows program_id(1) reads: BLOCK_N rows, or for DUAL gate row n and up row N + n interleaved
+    (2·BLOCK_N, one pass over K reads both). Surplus rows read real (clamped) data and are dropped at the store."""
+    if DUAL:
         i = tl.arange(0, 2 * BLOCK_N)
         rows = tl.minimum(tl.program_id(1) * BLOCK_N + i // 2, N - 1) + i % 2 * N
-        both = _gemv_rows(a_row_ptr, field_mask, w_e, aux_e, scale_e, table_ptr, rtable_ptr, rows, K,
-                          stride_wn, stride_xn, stride_sn, FORMAT, 2 * BLOCK_N, BLOCK_K, EVEN_K, ASM)
-        gate, up = tl.split(tl.reshape(both, (BLOCK_N, 2)))
+    else:
+        rows = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    return rows
+
+
+@triton.jit
+def _gemv_store(acc, out_ptr, routing_ptr, pair, stride_om, N, BLOCK_N: tl.constexpr, DUAL: tl.constexpr,
+                ROUTED: tl.constexpr):
+    """Epilogue of a GEMV-shaped program: acc over `_gemv_tile_rows` -> out[pair, rows] (DUAL: silu(gate)·up;
+    ROUTED: × routing[pair]), in out's dtype."""
+    if DUAL:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
         val = gate * tl.sigmoid(gate) * up
     else:
-        val = _gemv_rows(a_row_ptr, field_mask, w_e, aux_e, scale_e, table_ptr, rtable_ptr,
-                         tl.minimum(out_rows, N - 1), K, stride_wn, stride_xn, stride_sn, FORMAT, BLOCK_N, BLOCK_K,
-                         EVEN_K, ASM)
+        val = acc
     if ROUTED:
         val = val * tl.load(routing_ptr + pair).to(tl.float32)
+    out_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + out_rows, val.to(out_ptr.dtype.element_ty), mask=out_rows < N)

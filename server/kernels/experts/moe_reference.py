@@ -4,6 +4,9 @@
 
 with gate_up = [gate; up] stacked as [E, 2I, D] and down [E, D, I], each stored in the
 rotated domain (weights.py): x is rotated once for gate/up, h once for down.
+
+With ``int8_activations`` the rotated x and the rotated h are first rounded to int8 per group of 32
+(int8_activations.fake_quantize): the op the integer-dot decode body (moe_dp4a.py) computes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.kernels.experts.int8_activations import fake_quantize
 from server.kernels.experts.weights import ExpertWeights
 
 
@@ -28,17 +32,21 @@ def check_moe_args(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Expe
         raise ValueError(f"down must be [{num_e}, {d}, {two_i // 2}] to match gate_up {gate_up.shape}, got {down.shape}")
 
 
-def fused_moe_reference(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights) -> torch.Tensor:
+def fused_moe_reference(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights,
+                        int8_activations: bool = False) -> torch.Tensor:
     check_moe_args(x, topk_weights, topk_ids, gate_up, down)
     num_e, two_i, _ = gate_up.shape
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_e):
         raise ValueError(f"topk_ids must lie in [0, {num_e}), got values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
     xr = gate_up.rotate_input(x.float())
+    if int8_activations:
+        xr = fake_quantize(xr)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         gu = xr[tok] @ gate_up.dequantize(torch.tensor([e], device=x.device))[0].T
         h = F.silu(gu[:, : two_i // 2]) * gu[:, two_i // 2 :]
-        out = down.rotate_input(h) @ down.dequantize(torch.tensor([e], device=x.device))[0].T
+        hr = down.rotate_input(h)
+        out = (fake_quantize(hr) if int8_activations else hr) @ down.dequantize(torch.tensor([e], device=x.device))[0].T
         y.index_add_(0, tok, topk_weights[tok, slot].float()[:, None] * out)
     return y.to(x.dtype)

@@ -1,0 +1,122 @@
+"""8-bit activations for the integer-dot decode body of q1_0/q2_0 experts (moe_dp4a.py): definition and kernel.
+
+An activation row (the rotated x for gate_up, the rotated h for down) is cut into groups of GROUP = 32
+consecutive values along K; a group gets one float32 scale s = max|a| / 127 and int8 q = round(a / s) (half to
+even; q = 0 for an all-zero group), so a ≈ s·q with |a - s·q| <= s / 2 = max|a| / 254. This is llama.cpp's
+q8_1-style activation quantization, and it changes the op's numerics: `fake_quantize` gives the values the
+integer body multiplies, and moe_reference.fused_moe_reference(..., int8_activations=True) is the op with them.
+
+The kernels' layout (`quantize_reference`, `quantize_triton`): one int32 tensor [T, PLANES, K / 32], plane-major,
+so a K step of the decode body reads each plane as one contiguous run of words:
+  planes 0-7  the group's 32 q as bytes, in the order the weight codes come out of one shift and one mask per 4
+              weights (moe_dp4a.py): q2_0 plane 4h + j holds q[16h + 4b + j] in byte b (field j of byte b of the
+              group's code word h); q1_0 plane j holds q[8b + j] in byte b (bit j of byte b of the code word);
+  plane 8     -Σq of the group: the integer dot starts from it, which turns Σ c·q into Σ (c - 1)·q (q2_0 levels)
+              or, with the code bits doubled, Σ (2c - 1)·q (q1_0 levels) at no cost;
+  plane 9     the bits of s (float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from server.kernels import pdl
+from server.kernels.experts.moe_triton import FORMAT_IDS, Q2_0
+from server.kernels.pdl import gdc_launch_dependents, gdc_wait
+from server.kernels.timing import timed
+
+GROUP = 32
+PLANES = 10
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND is v rounded half to even for |v| < 2^22
+
+
+def group_scales(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [T, K] (K a multiple of GROUP) -> (q [T, K/32, 32] float32 integers in [-127, 127], s [T, K/32] float32)."""
+    if a.shape[-1] % GROUP:
+        raise ValueError(f"8-bit activations come in groups of {GROUP}; a row of {a.shape[-1]} values is not a multiple")
+    g = a.float().reshape(a.shape[0], -1, GROUP)
+    s = g.abs().amax(-1) / 127
+    q = torch.where(s[..., None] > 0, torch.round(g / torch.where(s > 0, s, 1)[..., None]), 0.0)
+    return q, s
+
+
+def fake_quantize(a: torch.Tensor) -> torch.Tensor:
+    """The values the integer body multiplies: s·q per group, float32, a's shape."""
+    q, s = group_scales(a)
+    return (q * s[..., None]).reshape(a.shape)
+
+
+def byte_slots(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plane, byte) of each of a group's 32 positions for weights in ``fmt`` (the module docstring's order)."""
+    k = torch.arange(GROUP)
+    if fmt == "q2_0":
+        return 4 * (k // 16) + k % 4, k // 4 % 4
+    if fmt == "q1_0":
+        return k % 8, k // 8
+    raise ValueError(f"8-bit activations pair with q1_0/q2_0 weights, not {fmt!r}")
+
+
+def quantize_reference(a: torch.Tensor, fmt: str) -> torch.Tensor:
+    """a [T, K] -> int32 [T, PLANES, K/32] (module docstring), in torch."""
+    q, s = group_scales(a)
+    plane, byte = byte_slots(fmt)
+    qb = (q.to(torch.int64) & 0xFF) << (8 * byte.to(a.device))  # [T, G, 32]
+    words = torch.zeros((*q.shape[:2], 8), dtype=torch.int64, device=a.device)
+    words.index_add_(2, plane.to(a.device), qb)
+    out = torch.empty((a.shape[0], PLANES, q.shape[1]), dtype=torch.int32, device=a.device)
+    out[:, :8] = (words - (words >= 1 << 31).long() * (1 << 32)).to(torch.int32).transpose(1, 2)
+    out[:, 8] = -q.sum(-1).to(torch.int32)
+    out[:, 9] = s.view(torch.int32)
+    return out
+
+
+@triton.jit
+def _quantize_kernel(a_ptr, out_ptr, G, stride_a, stride_o, FORMAT: tl.constexpr, BLOCK_G: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    """Groups [pid1·BLOCK_G, +BLOCK_G) of activation row pid0 -> the PLANES words of each (`quantize_reference`).
+    ``USE_PDL``: the integer-dot launch after it is scheduled at once and streams its first weights meanwhile."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # a is the previous kernel's output
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    k = tl.arange(0, 32)
+    live = g < G
+    a = tl.load(a_ptr + row * stride_a + g[:, None] * 32 + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    # IEEE division and round-half-even, as the torch definition (group_scales) computes them: same q bit for bit.
+    s = tl.math.div_rn(tl.max(tl.abs(a), 1), 127.0)
+    v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0)[:, None])
+    q = ((v + _ROUND) - _ROUND).to(tl.int32)
+    if FORMAT == Q2_0:
+        plane = 4 * (k // 16) + k % 4
+        byte = k // 4 % 4
+    else:
+        plane = k % 8
+        byte = k // 8
+    placed = (q & 0xFF) << (8 * byte)[None, :]  # [BLOCK_G, 32]; fields of one word are disjoint, so sum = OR
+    words = tl.sum(tl.where((plane[:, None] == tl.arange(0, 8)[None, :])[None, :, :], placed[:, :, None], 0), 1)
+    base = out_ptr + row * stride_o
+    tl.store(base + tl.arange(0, 8)[None, :] * G + g[:, None], words, mask=live[:, None])
+    tl.store(base + 8 * G + g, -tl.sum(q, 1), mask=live)
+    tl.store(base + 9 * G + g, s.to(tl.int32, bitcast=True), mask=live)
+
+
+QUANTIZE_BLOCK_G = 16  # groups per program: a token of D = 6144 takes 12 programs
+
+
+def quantize_triton(a: torch.Tensor, fmt: str) -> torch.Tensor:
+    """As quantize_reference, one Triton launch (a [T, K] contiguous rows, any float dtype)."""
+    if a.shape[-1] % GROUP:
+        raise ValueError(f"8-bit activations come in groups of {GROUP}; a row of {a.shape[-1]} values is not a multiple")
+    if fmt not in ("q1_0", "q2_0"):
+        raise ValueError(f"8-bit activations pair with q1_0/q2_0 weights, not {fmt!r}")
+    a = a.contiguous()
+    groups = a.shape[1] // GROUP
+    out = torch.empty((a.shape[0], PLANES, groups), dtype=torch.int32, device=a.device)
+    grid = (a.shape[0], triton.cdiv(groups, QUANTIZE_BLOCK_G))
+    with timed("experts_int8_activations", a.device):
+        _quantize_kernel[grid](a, out, groups, a.stride(0), out.stride(0), FORMAT=FORMAT_IDS[fmt],
+                               BLOCK_G=QUANTIZE_BLOCK_G, **pdl.launch_options(a.device))
+    return out
