@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import Row, time_ms
+from server.kernels import pdl
 from server.kernels.experts import int8_activations, moe
 from server.kernels.experts.moe_reference import fused_moe_reference
 from server.kernels.experts.routing import (
@@ -447,7 +448,8 @@ def _dp4a_settings(config: tuple) -> None:
     moe.dp4a_down_options = {"num_warps": dn_warps}
 
 
-def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(1, 8), configs=DP4A_SWEEP) -> tuple:
+def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(1, 8), configs=DP4A_SWEEP,
+               label: str = "") -> tuple:
     """Kernel-only times of the integer-dot body at the deep shape (the two quantization launches included) for
     DP4A_SWEEP, each checked against the int8 reference on the first input set; at one token also each launch
     alone. Leaves moe at the fastest setting (geometric mean) and returns it."""
@@ -475,7 +477,7 @@ def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(
                 ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                 log_sum[c] += math.log(ms)
                 gbs = nbytes / ms / 1e6
-                line = (f"sweep dp4a deep {fmt} T={tokens} (K step, gu warps, dn warps, gu rows, dn rows)={config}: "
+                line = (f"sweep dp4a{label} deep {fmt} T={tokens} (K step, gu warps, dn warps, gu rows, dn rows)={config}: "
                         f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy, rel err {err:.1e}")
                 if tokens == 1:
                     line += "; alone: " + ", ".join(f"{k} {v:.1f} us" for k, v in _dp4a_launch_us(sets, n_sets, gu, dn,
@@ -640,6 +642,13 @@ def run_dp4a(device: torch.device, copy_gbs: float):
     for line in check_dp4a(device) + check_gemv(device, formats=("q2_0",)):
         print("correctness:", line, flush=True)
     sweep_dp4a(device, copy_gbs)
+    os.environ["TURBOSERVE_PDL"] = "0"  # the shipped setting once more without programmatic dependent launch
+    pdl._supported.cache_clear()
+    try:
+        sweep_dp4a(device, copy_gbs, formats=("q2_0",), configs=DP4A_SWEEP[:1], label=" (PDL off)")
+    finally:
+        del os.environ["TURBOSERVE_PDL"]
+        pdl._supported.cache_clear()
     rows = []
     for shape, label, tokens in ((DEEP, "deep D6144 I2048 E64 top8", (1, 8)), (MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,))):
         try:
