@@ -31,7 +31,7 @@ from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo import attention
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 
@@ -206,12 +206,18 @@ def sdpa_ms(batch: int, ctx: int, q_heads: int, device) -> float:
     return ms
 
 
-def engine_key_offset(kv_heads: int, head_dim: int, device, gen: torch.Generator, theta: float = 500000.0) -> KeyOffset:
-    """A key offset like the engine's (server/runtime/kv_calibration.py): a mean as long as a key, a sink unlike
-    it, and RoPE's frequencies for ``theta`` (Llama 3's)."""
-    mean, sink = (torch.randn(kv_heads, head_dim, generator=gen) * 3 for _ in range(2))
+def engine_key_offset(kv_heads: int, head_dim: int, device, gen: torch.Generator, theta: float = 500000.0,
+                      turned_pairs: int | None = None) -> KeyOffset:
+    """A key offset like the engine's (server/runtime/kv_calibration.py): a mean as long as a key on
+    ``turned_pairs`` random rotate-half pairs per KV head (None: all, `--kv-key-offset turned`; else `partial`),
+    a constant on the others, a sink unlike both, and RoPE's frequencies for ``theta`` (Llama 3's)."""
+    half = head_dim // 2
+    pairs = torch.stack([torch.randperm(half, generator=gen)[: turned_pairs or half].sort().values
+                         for _ in range(kv_heads)]).to(torch.int32)
+    turn = pair_mask(pairs, head_dim)
+    mean, const, sink = (torch.randn(kv_heads, head_dim, generator=gen) * 3 for _ in range(3))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    return KeyOffset(mean.to(device), sink.to(device), inv_freq.to(device))
+    return KeyOffset(*(t.to(device) for t in (const * ~turn, mean * turn, sink, inv_freq, pairs)))
 
 
 def engine_slots(tokens: int, num_pages: int, page: int, device, gen: torch.Generator) -> torch.Tensor:
@@ -248,8 +254,8 @@ def _rotation_and_store_rows(device) -> list[Row]:
         store = TurboKVStore(tokens * 2 // PAGE, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16)
         pages_bytes = tokens * TurboKVStore.bytes_per_token(KV_HEADS, HEAD_DIM, kind, kind)
         moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8 + positions.numel() * 8
-        mean = engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(1)).mean
-        store.set_key_offset(KeyOffset(mean, mean, torch.zeros(HEAD_DIM // 2, device=device)))  # the default, fixed
+        offset = engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(1))
+        store.set_key_offset(KeyOffset.fixed(offset.mean, offset.inv_freq))  # the default, fixed
         ms = time_ms(lambda _: store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs,
                                                   store.inv_sqrt, store.key_offset, store.offset_turns), device=device)
         rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V, fixed key offset", ms, dense_ms, moved,

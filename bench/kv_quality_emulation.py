@@ -2,18 +2,21 @@
 under a choice of key offset: how much of the quality loss each offset recovers (CPU; docs/BENCHMARKS.md
 "Quality" quotes it).
 
-    OMP_NUM_THREADS=1 python bench/kv_quality_emulation.py --kinds turbo3,turbo4 --offsets fixed,rope --windows 4
+    OMP_NUM_THREADS=1 python bench/kv_quality_emulation.py --kinds turbo3,turbo4 --offsets fixed,partial8,turned
 
 Every K and V the model writes goes into a float32 dense cache as dequantize(quantize(x - o)) + o (format.py's
 reference, specs/turboquant.md), with V's offset 0 and K's offset o one of
-  none   0, the spec's plain format;
-  fixed  the mean post-RoPE key of each (layer, KV head): `--kv-key-offset fixed` (the default);
-  rope   the mean pre-RoPE key turned to each key's position, and the calibration text's own key at
-         position 0 (the attention sink): `--kv-key-offset turned`
-         (server/kernels/turbo/key_offset.py, server/runtime/kv_calibration.py).
+  none      0, the spec's plain format;
+  fixed     the mean post-RoPE key of each (layer, KV head): `--kv-key-offset fixed`;
+  turned    the mean pre-RoPE key turned to each key's position, and the calibration text's own key at
+            position 0 (the attention sink): `--kv-key-offset turned`;
+  partialP  turned on the P rotate-half pairs per KV head that gain most on the calibration text, fixed on
+            the others; partialP@ctx: the pairs that gain most over --ctx positions (turned_pair_gains):
+            `--kv-key-offset partial --kv-key-turned-pairs P`
+            (server/kernels/turbo/key_offset.py, server/runtime/kv_calibration.py).
 Offsets come from one forward over kv_calibration.CALIBRATION_TEXT, as the engine's. Windows and scoring are
-the perplexity tool's (text_windows; the second half of each window scored), so "fixed" and "rope" reproduce
-`turboserve perplexity --kv-cache-dtype KIND --kv-key-offset fixed|turned` up to the engine's own arithmetic. Also printed: the mean
+the perplexity tool's (text_windows; the second half of each window scored), so each reproduces
+`turboserve perplexity --kv-cache-dtype KIND --kv-key-offset ...` up to the engine's own arithmetic. Also printed: the mean
 KL(exact model || emulated) over the scored tokens, steadier than perplexity for comparing offsets.
 One sequence per forward, so a token's slot is its position.
 """
@@ -70,15 +73,24 @@ def forward(model, tokens: list[int], encode, scored_from: int) -> torch.Tensor:
     return torch.log_softmax(model.compute_logits(hidden[scored_from:-1]), dim=-1)
 
 
-def key_offsets(model, tokenizer) -> dict:
+def key_offsets(model, tokenizer, names: list[str], ctx: int) -> dict:
     """offset name -> offset(layer, positions [T]) giving [T, kv_heads, D] (or 0.0)."""
     cfg = model.config
     args = (model, tokenizer.encode(CALIBRATION_TEXT), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
             torch.device("cpu"), torch.float32)
-    fixed, turned = calibrated_offsets(*args, turned=False), calibrated_offsets(*args, turned=True)
-    return {"none": lambda layer, positions: 0.0,
-            "fixed": lambda layer, positions: key_offset_at(fixed[layer], positions),
-            "rope": lambda layer, positions: key_offset_at(turned[layer], positions)}
+    pairs = {"fixed": 0, "turned": cfg.head_dim // 2}
+    out = {}
+    for name in names:
+        if name == "none":
+            out[name] = lambda layer, positions: 0.0
+            continue
+        count, _, context = name.removeprefix("partial").partition("@")
+        if name not in pairs and not (name.startswith("partial") and count.isdigit() and context in ("", "ctx")):
+            raise SystemExit(f"unknown offset {name!r}: none, fixed, turned, partialP or partialP@ctx")
+        offsets = calibrated_offsets(*args, turned_pairs=pairs[name] if name in pairs else int(count),
+                                     context=ctx if context else None)
+        out[name] = lambda layer, positions, offsets=offsets: key_offset_at(offsets[layer], positions)
+    return out
 
 
 def roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -94,7 +106,8 @@ def nll(logp: torch.Tensor, window: list[int], half: int) -> list[float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", default="turbo3", type=lambda s: s.split(","), help="e.g. turbo2,turbo3,turbo4")
-    p.add_argument("--offsets", default="none,fixed,rope", type=lambda s: s.split(","))
+    p.add_argument("--offsets", default="none,fixed,turned", type=lambda s: s.split(","),
+                   help="none, fixed, turned, partialP (P rotate-half pairs per KV head turned, the rest fixed)")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--file", type=Path, help="text to score (default: server/tools/corpus.py's corpus)")
@@ -104,7 +117,7 @@ def main() -> int:
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     text = (args.file or lee_corpus_path()).read_text()
     windows, n_text_tokens = text_windows(tokenizer, text, args.ctx, args.windows)
-    offsets = key_offsets(model, tokenizer)
+    offsets = key_offsets(model, tokenizer, args.offsets, args.ctx)
     half = args.ctx // 2  # scored: tokens half + 1 .. ctx - 1, as the perplexity tool
     exact = [forward(model, w, lambda layer, k, v, positions: (k, v), half) for w in windows]
     exact_ppl = summarize([nll(lp, w, half) for lp, w in zip(exact, windows)], args.ctx, n_text_tokens).ppl
@@ -123,7 +136,7 @@ def main() -> int:
                 nlls.append(nll(logp, w, half))
                 kls.append((ref.exp() * (ref - logp)).sum(-1).mean().item())
             result = summarize(nlls, args.ctx, n_text_tokens)
-            print(f"{kind} K offset {name:5s}: PPL {result.ppl:.4f} +/- {result.ppl_error:.4f} "
+            print(f"{kind} K offset {name:9s}: PPL {result.ppl:.4f} +/- {result.ppl_error:.4f} "
                   f"({result.ppl / exact_ppl - 1:+.1%}), KL {sum(kls) / len(kls):.4f}, "
                   f"chunks {' '.join(f'{c:.2f}' for c in result.chunk_ppls)}", flush=True)  # fmt: skip
     return 0

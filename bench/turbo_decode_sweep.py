@@ -6,8 +6,9 @@ store kernel), then our decode against bf16 SDPA at the shapes the targets name:
 batch 1 at 64K with 32 query / 8 KV heads, and batch 1 at 64K with 16 query / 8 KV heads (GQA 2, the
 end-to-end case). Per shape: each launch setting of SETTINGS at choose_splits' count and at the counts that
 give its programs-per-SM targets, and the merge alone. ``--default-only`` runs the first setting alone (to
-compare two trees). ``--offset`` also checks and times every launch with an engine-like key offset (its
-score term <q, o(p)>), next to the plain launch. Prints only; the recorded table comes from
+compare two trees). ``--offset`` also checks and times every launch with engine-like key offsets (their
+score term <q, o(p)>), next to the plain launch: turned (all D/2 rotate-half pairs) and partial with
+OFFSET_PAIRS pairs per KV head (`--kv-key-offset partial --kv-key-turned-pairs P`). Prints only; the recorded table comes from
 `python bench/kernels.py turbo`.
 ``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
 """
@@ -32,6 +33,7 @@ from server.kernels.turbo.attention import (
 )
 
 KV_HEADS, HEAD_DIM = kernels_turbo.KV_HEADS, kernels_turbo.HEAD_DIM  # the shapes random_decode_inputs builds
+OFFSET_PAIRS = (4, 8, 16)  # partial key offsets --offset also runs: turned rotate-half pairs per KV head
 # (block_n, num_warps, max registers, pipeline stages) and the programs per SM to size the splits for, besides
 # choose_splits' count; None: the compiler's choice. Residency from the offline sm_90 build (bench/turbo_sass.py):
 # 64/4 at 128 / 96 / 80 registers holds 4 / 5 / 6 programs per SM (35 KB shared each); 16/1 (one warp, mma.sync)
@@ -62,12 +64,13 @@ def _split_counts(programs_per_sm, batch, ctx, block_n, device) -> list:
 
 def _check_settings(device, settings, offsets) -> list[str]:
     """Every swept setting (and a split count) vs decode-then-attend, bf16, real K/V from the store kernel; with
-    each of ``offsets`` (False: none, True: an engine-like key offset)."""
+    each of ``offsets`` (None: no key offset, 0: turned on all pairs, P: partial on P pairs, _offset_name)."""
     gen = torch.Generator().manual_seed(1)
     failures = []
     for (case, (head_dim, gqa, k_kind, v_kind, lens)), offset in itertools.product(
             enumerate(kernels_turbo.CHECK_CASES), offsets):
-        key_offset = kernels_turbo.engine_key_offset(2, head_dim, device, gen) if offset else None
+        key_offset = None if offset is None else kernels_turbo.engine_key_offset(2, head_dim, device, gen,
+                                                                                  turned_pairs=offset or None)
         store, tables, _ = kernels_turbo._filled_store(lens, 2, head_dim, k_kind, v_kind, device, gen, key_offset)
         meta = kernels_turbo._meta(lens, tables)
         q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen).to(device, torch.bfloat16)
@@ -80,11 +83,16 @@ def _check_settings(device, settings, offsets) -> list[str]:
                                                 store.key_offset, num_splits=splits, **_launch(setting)).float()
                 err = (fused - reference).abs().max().item() / reference.abs().max().item()
                 name = (f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} {'/'.join(map(str, setting))} "
-                        f"splits={splits}{' key offset' if offset else ''}")
+                        f"splits={splits}{_offset_name(offset)}")
                 print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
                 if err >= 2e-2:
                     failures.append(name)
     return failures
+
+
+def _offset_name(turned_pairs: int | None) -> str:
+    """How a row names its key offset: none, turned on all pairs (0), partial on P."""
+    return "" if turned_pairs is None else " key offset " + (f"partial{turned_pairs}" if turned_pairs else "turned")
 
 
 def _merge_only_ms(store, metas, qs, splits, device) -> float:
@@ -115,19 +123,20 @@ def _sweep_shape(batch, ctx, q_heads, settings, device, offsets) -> None:
     scale = HEAD_DIM**-0.5
     label = f"turbo3 b{batch} ctx{ctx // 1024}K {q_heads}q/{KV_HEADS}kv"
     print(f"{label}: bf16 SDPA {sdpa:.4f} ms", flush=True)
-    key_offset = kernels_turbo.engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2))
+    key_offsets = {p: kernels_turbo.engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2),
+                                                      turned_pairs=p or None) for p in offsets if p is not None}
     for (setting, programs_per_sm), offset in itertools.product(settings, offsets):
         for splits in _split_counts(programs_per_sm, batch, ctx, setting[0], device):
             launch = dict(num_splits=splits, **_launch(setting))
 
             def ours(i, launch=launch, offset=offset):
                 return decode_attention_triton(qs[i], store.k, store.v, metas[i], scale, store.signs, store.inv_sqrt,
-                                               key_offset if offset else None, **launch)
+                                               key_offsets.get(offset), **launch)
 
             ms = time_ms(ours, n_inputs=len(qs), device=device)
             chosen = attention.choose_splits(batch, KV_HEADS, ctx, device, setting[0]) if splits is None else splits
             print(f"  {label} {'/'.join(map(str, setting))} splits={chosen}{' (rule)' if splits is None else ''}"
-                  f"{' key offset' if offset else ''}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
+                  f"{_offset_name(offset)}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
                   f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
     splits = attention.choose_splits(batch, KV_HEADS, ctx, device)
     print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
@@ -144,7 +153,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     settings = SETTINGS[:1] if "--default-only" in sys.argv else SETTINGS
-    offsets = (False, True) if "--offset" in sys.argv else (False,)
+    offsets = (None, 0, *OFFSET_PAIRS) if "--offset" in sys.argv else (None,)
     failures = _check_settings(device, settings, offsets)
     for batch, ctx, q_heads in SHAPES:
         _sweep_shape(batch, ctx, q_heads, settings, device, offsets)

@@ -1,7 +1,8 @@
 """SASS instruction count of the turbo decode kernel's main loop, compiled for sm_90 on any machine.
 
 `python bench/turbo_sass.py [--bits-k 3 --bits-v 3] [--offset] [BLOCK/WARPS[/MAX_REGISTERS] ...]` prints, per
-launch setting (with --offset also for the kernel with the key offset's score term), the instructions between
+launch setting (with --offset also for the kernel with the key offset's score term, turned on all 64 rotate-half
+pairs and partial on OFFSET_PAIRS of them), the instructions between
 the loop's backward branch and its target (one step of BLOCK tokens), per stored K/V value, the registers and
 shared memory, the store wavefronts of the decoded K and V tiles over conflict-free (a model of the swizzled
 shared tiles, see tile_store_conflicts), and the barrier / shared-memory / shuffle / mma instructions of a step.
@@ -38,23 +39,25 @@ from server.kernels.turbo import attention  # noqa: E402
 POINTER_TYPES = {"q_ptr": "*bf16", "q_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
                  "k_codes": "*u8", "k_norms": "*fp16", "k_poly": "*fp32", "k_table": "*i32", "v_codes": "*u8",
                  "v_norms": "*fp16", "v_poly": "*fp32", "v_table": "*i32",
-                 "first_ptr": "*i32", "second_ptr": "*i32", "mean_ptr": "*fp32", "sink_ptr": "*fp32",
-                 "inv_freq_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
+                 "first_ptr": "*i32", "second_ptr": "*i32", "const_ptr": "*fp32", "mean_ptr": "*fp32",
+                 "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "pairs_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
 FLOAT_ARGS = ("inv_sqrt", "qk_scale")
+OFFSET_PAIRS = (16, 8, 4)  # --offset's partial key offsets: turned pairs per KV head
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);")
 
 
 def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int = 128, gqa: int = 4,
-                   max_registers: int | None = None, column_order: dict | None = None, offset: bool = False):
+                   max_registers: int | None = None, column_order: dict | None = None, offset: int | None = None):
     """The decode kernel compiled for sm_90 (a CompiledKernel: .asm holds "ttgir" and "cubin"); ``offset``:
-    with the key offset's score term (OFFSET)."""
+    with the key offset's score term (OFFSET) over that many turned rotate-half pairs per KV head."""
     fn = attention._decode_kernel
     group = 128 if head_dim % 128 == 0 else 64
     order = attention.COLUMN_ORDER if column_order is None else column_order
     constants = dict(H_KV=8, GQA=gqa, GQA_PAD=max(16, triton.next_power_of_2(gqa)), PAGE_SIZE=16, D=head_dim,
                      G=group, LOG2_G=group.bit_length() - 1, K_BITS=bits_k, V_BITS=bits_v, BLOCK=block, F16=True,
                      ASM=True, K_ORDER=order.get((bits_k, head_dim), ()), V_ORDER=order.get((bits_v, head_dim), ()),
-                     V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())), OFFSET=offset)
+                     V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())), OFFSET=offset is not None,
+                     P=offset or 0, PP=max(8, triton.next_power_of_2(offset or 0)))
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
@@ -177,7 +180,7 @@ def main_loop(sass: str) -> list[str]:
 
 
 def summary(bits_k: int, bits_v: int, block: int, warps: int, max_registers: int | None = None,
-            column_order: dict | None = None, offset: bool = False) -> str:
+            column_order: dict | None = None, offset: int | None = None) -> str:
     """One line: main-loop instructions per stored value, registers, the ops that sync or go through
     shared memory, and the decoded tiles' store wavefronts over conflict-free (tile_store_conflicts)."""
     kernel = compile_decode(bits_k, bits_v, block, warps, max_registers=max_registers, column_order=column_order,
@@ -190,7 +193,7 @@ def summary(bits_k: int, bits_v: int, block: int, warps: int, max_registers: int
     syncs = ", ".join(f"{op} {opcodes[op]}" for op in ("BAR", "STS", "LDS", "STSM", "LDSM", "SHFL", "HGMMA", "HMMA"))
     return (f"Triton {triton.__version__}, K{bits_k}/V{bits_v} {block} tokens, {warps} warps"
             + ("" if max_registers is None else f", <= {max_registers} registers")
-            + (", key offset" if offset else "")
+            + ("" if offset is None else f", key offset turning {offset} of 64 pairs")
             + f": {len(loop)} instructions per step, {len(loop) / values_per_thread:.2f} per stored value, "
             f"{regs} registers, {shared} B shared; tile stores "
             + "/".join(f"{r:.2f}x" for r in tile_store_conflicts(kernel.asm["ttgir"]))
@@ -209,7 +212,7 @@ def main() -> None:
     args = parser.parse_args()
     for config in args.configs:
         block, warps, *cap = map(int, config.split("/"))
-        for offset in (False, True) if args.offset else (False,):
+        for offset in (None, 64, *OFFSET_PAIRS) if args.offset else (None,):
             print(summary(args.bits_k, args.bits_v, block, warps, *cap, offset=offset), flush=True)
 
 

@@ -2,8 +2,8 @@
 
 `python bench/turbo_store_sweep.py`
 
-1. Correctness (PASS/FAIL lines): bf16 and fp16 K/V through the store (with the engine's kind of key
-   offset, key_offset.py) against format.quantize_reference of k - o(p) on the same device: index
+1. Correctness (PASS/FAIL lines): bf16 and fp16 K/V through the store (with the engine's kinds of key
+   offset, key_offset.py: turned on all pairs at d64, partial on 8 / 16 pairs at d128 / d256) against format.quantize_reference of k - o(p) on the same device: index
    mismatches (a value within an ulp of a midpoint may differ, nothing else), norms of the groups whose
    indices all agree, zero rows, padding slots (-1) and slots nobody wrote.
 2. Timing, 32768 tokens x 8 KV heads x d128, K+V: the store's launch settings (quantize.StoreLaunch)
@@ -47,7 +47,8 @@ def check(device) -> list[str]:
         for head_dim, k_kind, v_kind in cases:
             tokens = CHECK_TOKENS
             store = TurboKVStore(2 * tokens // PAGE, PAGE, HEADS, head_dim, k_kind, v_kind, device, dtype)
-            store.set_key_offset(engine_key_offset(HEADS, head_dim, device, gen))
+            turned_pairs = {128: 8, 256: 16}.get(head_dim)  # partial offsets there, turned on all pairs at d64
+            store.set_key_offset(engine_key_offset(HEADS, head_dim, device, gen, turned_pairs=turned_pairs))
             positions = torch.arange(tokens, device=device)
             offsets = key_offset_at(store.key_offset, positions)
             k = (torch.randn(tokens, HEADS, head_dim, generator=gen).to(device) * 3 + offsets).to(dtype)
@@ -66,7 +67,8 @@ def check(device) -> list[str]:
                 untouched = pages.codes.transpose(1, 2).reshape(-1, pages.codes.shape[1] * pages.codes.shape[3])
                 stray = untouched[~written].ne(0).any().item()
                 ok = mism < 1e-4 and rel < 1e-3 and not stray
-                name = f"store {label} {kind} D={head_dim} {str(dtype).split('.')[1]}"
+                name = (f"store {label} {kind} D={head_dim} {str(dtype).split('.')[1]} key offset "
+                        f"{'turned' if turned_pairs is None else f'partial{turned_pairs}'}")
                 print(f"{'PASS' if ok else 'FAIL'} {name}: index mismatch {mism:.1e}, norm rel err {rel:.1e}, "
                       f"writes outside its slots: {stray}", flush=True)
                 if not ok:
@@ -96,7 +98,7 @@ def timings(device, copy_gbs: float) -> list[Row]:
             pages_bytes = TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, kind, kind)
             moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8 * 2  # bf16 K, V read; pages, slots, positions
             turned = engine_key_offset(HEADS, 128, device, gen)
-            fixed = KeyOffset(turned.mean, turned.mean, torch.zeros_like(turned.inv_freq))
+            fixed = KeyOffset.fixed(turned.mean, turned.inv_freq)
             runs = [(launch, "turned") for launch in (SETTINGS if pattern == "engine slots" else SETTINGS[:1])]
             for launch, offset in runs + [(STORE_LAUNCH, "fixed"), (STORE_LAUNCH, "none")]:
                 case = f"store {kind}, {TOKENS} tokens x {HEADS} heads, K+V, {pattern}, " + (

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "turbo2", "turbo3", "turbo4")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_KEY_OFFSETS = ("fixed", "turned", "none")  # what a turbo K store subtracts (server/runtime/kv_calibration.py)
+KV_KEY_OFFSETS = ("fixed", "partial", "turned", "none")  # what a turbo K store subtracts (runtime/kv_calibration.py)
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_dtype_v: str | None = None
     kv_cache_memory: int | None = None  # bytes for the page pool; None: a fraction of free memory
     kv_key_offset: str = "fixed"  # one of KV_KEY_OFFSETS
+    kv_key_turned_pairs: int = 8  # partial: rotate-half pairs per KV head that turn with RoPE (1 .. head_dim / 2)
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64  # sequences running at once

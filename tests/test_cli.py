@@ -39,12 +39,15 @@ def test_serve_flags_default_from_the_environment_and_the_command_line_wins(monk
     assert config.kv_key_offset == "fixed"
     turned = cli.engine_config_from_args(cli.build_parser().parse_args(["serve", "--kv-key-offset", "turned"]))
     assert turned.kv_key_offset == "turned"
+    partial = cli.engine_config_from_args(cli.build_parser().parse_args(
+        ["serve", "--kv-key-offset", "partial", "--kv-key-turned-pairs", "16"]))
+    assert partial.kv_key_offset == "partial" and partial.kv_key_turned_pairs == 16
 
 
 def test_an_unknown_key_offset_is_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.build_parser().parse_args(["serve", "--kv-key-offset", "rope"])
-    assert exit_.value.code == 2 and "choose from 'fixed', 'turned', 'none'" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "choose from 'fixed', 'partial', 'turned', 'none'" in capsys.readouterr().err
 
 
 def test_defaults_match_the_documented_ones(monkeypatch):

@@ -25,7 +25,7 @@ from server.runtime.detokenizer import IncrementalDetokenizer
 from server.runtime.kv_cache import (
     TURBO_KV_KINDS, KVCache, KVLayout, bits_per_value, bytes_per_token, default_budget_bytes, resolve_kv_kinds,
 )  # fmt: skip
-from server.runtime.kv_calibration import calibrate_key_offsets
+from server.runtime.kv_calibration import calibrate_key_offsets, turned_pairs
 from server.runtime.model_runner import ChunkResult, LaunchedStep, ModelRunner
 from server.runtime.scheduler import ScheduledChunk, Scheduler
 from server.runtime.sequence import SamplingParams, Sequence, TokenLogprob
@@ -105,12 +105,13 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         mc = self.model_config
         k_kind, v_kind = resolve_kv_kinds(config, dtype)
+        key_pairs = turned_pairs(config.kv_key_offset, config.kv_key_turned_pairs, mc.head_dim)  # bad values fail here
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else default_budget_bytes(self.device)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
         if k_kind in TURBO_KV_KINDS and config.kv_key_offset != "none":  # keys lose their shared direction first
             calibrate_key_offsets(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
-                                  self.device, dtype, self.max_model_len, turned=config.kv_key_offset == "turned")
+                                  self.device, dtype, self.max_model_len, key_pairs)
         elif k_kind not in TURBO_KV_KINDS and config.kv_key_offset != "fixed":
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)

@@ -1,18 +1,21 @@
 """Key offsets for turbo K caches (server/kernels/turbo/key_offset.py), measured once at start-up.
 
-A turbo K store quantizes k - o(p). Both kinds of offset come from one forward pass over
-CALIBRATION_TEXT with a dense cache in the model's own dtype, leaving out the first token, the
-attention sink, whose key is unlike the others:
-  * fixed (``--kv-key-offset fixed``, the default): o(p) = the mean of the keys as written, for
-    every p. It shifts every score of a query row by the same <q, o>, which softmax ignores, so
-    the fused decode kernel does no extra work;
-  * turned: o(p) = RoPE(p) mean for p >= 1, with mean the keys turned back to position 0
-    (RoPE(-p) k undoes the model's rotation) and averaged, and o(0) = the sink's own key. The
-    keys' shared direction is fixed before RoPE, so this removes much more of it (perplexity in
-    docs/BENCHMARKS.md "Quality"), but attention has to add <q, o(p)> per key (decode attention
-    about 36 % slower on the H200).
+A turbo K store quantizes k - o(p), o(p) = const + RoPE(p) mean (p >= 1), o(0) = sink. Every kind comes
+from one forward pass over CALIBRATION_TEXT with a dense cache in the model's own dtype, leaving out the
+first token, the attention sink, whose key is unlike the others. Per rotate-half pair f of a KV head the
+keys k_f(p) (a complex number per pair) are summarized two ways:
+  * c_f, the mean of the keys as written: a constant, which costs attention nothing (softmax ignores a
+    shift every score of a row shares);
+  * m_f, the mean of the keys turned back to position 0 (RoPE(-p) k): the shared direction is fixed
+    before RoPE, so RoPE(p) m follows it at every position, but attention must add <q, RoPE(p) m>.
+Over the n calibration keys the squared residual is sum |k_f|^2 - n |c_f|^2 with the constant and
+sum |k_f|^2 - n |m_f|^2 with the turned mean, so turning pair f removes n (|m_f|^2 - |c_f|^2) more.
+``turned_pairs`` P picks the P pairs of each KV head with the largest |m_f|^2 - |c_f|^2: they turn
+(mean = m there, const = 0), the others keep c_f (mean = 0). P = 0 is ``--kv-key-offset fixed`` (the sink
+is then c too: nothing varies with p, the fused decode does no extra work), P = D/2 ``turned``, in
+between ``partial`` (decode attention dots only the P pairs); with P > 0 the sink is the first key itself.
 Fixed per model (never per batch or sequence, so batch invariance holds), deterministic, and one
-short prefill at start-up. A model without RoPE (``rope_inv_freq`` all zero) turns nothing.
+short prefill at start-up. A model without RoPE (``rope_inv_freq`` all zero) has m = c: no pair gains.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
-from server.kernels.turbo.key_offset import KeyOffset, rope_turn
+from server.kernels.turbo.key_offset import KeyOffset, pair_mask, rope_turn
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +70,59 @@ class _KeyRecorder:
         return self.store.attend(q, meta, scale)
 
 
+def turned_pairs(kind: str, partial_pairs: int, head_dim: int) -> int:
+    """The rotate-half pairs per KV head that ``--kv-key-offset kind`` turns: fixed 0, turned all D/2, partial
+    ``--kv-key-turned-pairs``."""
+    if kind == "partial" and not 1 <= partial_pairs <= head_dim // 2:
+        raise ValueError(f"--kv-key-turned-pairs must be in 1 .. {head_dim // 2} (head_dim / 2 of this model) with "
+                         f"--kv-key-offset partial, got {partial_pairs}; use fixed for none, turned for all")
+    return {"turned": head_dim // 2, "partial": partial_pairs}.get(kind, 0)  # fixed, none: 0
+
+
+def constant_share(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
+    """|mean over p = 1 .. n of e^(i p theta_f)|^2 per pair [D/2]: the share of a direction turning with RoPE
+    that a constant captures over n positions (1 for a pair that does not turn, ~0 for one that turns fast)."""
+    angle = torch.arange(1, n + 1, dtype=torch.float64)[:, None] * inv_freq.double().cpu()[None]
+    return (angle.cos().mean(0) ** 2 + angle.sin().mean(0) ** 2).to(inv_freq.device)
+
+
+def turned_pair_gains(written: torch.Tensor, turned_back: torch.Tensor, inv_freq: torch.Tensor, keys: int,
+                      context: int | None = None) -> torch.Tensor:
+    """How much turning each rotate-half pair removes over a constant, [kv_heads, D/2], from the mean written keys
+    c and the mean keys turned back to position 0 m (both [kv_heads, D]) over ``keys`` positions 1 .. keys.
+
+    Without ``context``: |m_f|^2 - |c_f|^2, as measured on the calibration keys. With it: the same scaled
+    to ``context`` positions, |m_f|^2 (1 - s_context) - |c_f|^2 (1 - s_keys), s = constant_share: a pair too
+    slow to turn within the calibration text (m ~ c, no measured gain) still turns over a longer context,
+    where a constant fitted to the short text misses its direction."""
+    m2 = turned_back.pow(2).unflatten(-1, (2, -1)).sum(-2)
+    c2 = written.pow(2).unflatten(-1, (2, -1)).sum(-2)
+    if context is None:
+        return m2 - c2
+    return m2 * (1 - constant_share(inv_freq, context)) - c2 * (1 - constant_share(inv_freq, keys))
+
+
+def partial_offset(written: torch.Tensor, turned_back: torch.Tensor, sink: torch.Tensor, inv_freq: torch.Tensor,
+                   turned_pairs: int, keys: int, context: int | None = None) -> KeyOffset:
+    """The offset turning the ``turned_pairs`` pairs of each KV head that gain most, constant on the rest."""
+    half = written.shape[-1] // 2
+    if not 0 <= turned_pairs <= half:
+        raise ValueError(f"turned pairs must be in 0..{half} (head_dim / 2), got {turned_pairs}")
+    if turned_pairs == 0:
+        return KeyOffset.fixed(written, inv_freq)
+    gains = turned_pair_gains(written, turned_back, inv_freq, keys, context)
+    pairs = gains.topk(turned_pairs, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    turn = pair_mask(pairs, written.shape[-1])
+    return KeyOffset(torch.where(turn, 0.0, written), torch.where(turn, turned_back, 0.0), sink, inv_freq, pairs)
+
+
 @torch.inference_mode()
 def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
-                device: torch.device, dtype: torch.dtype, turned: bool = True) -> list[KeyOffset]:
-    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset over all tokens but the
-    first (float32 [kv_heads, D]): turned, the mean of the keys turned back to position 0 and the first token's
-    key as the sink; else the mean of the keys as written, at every position."""
+                device: torch.device, dtype: torch.dtype, turned_pairs: int,
+                context: int | None = None) -> list[KeyOffset]:
+    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset that turns ``turned_pairs``
+    rotate-half pairs per KV head (0: fixed, head_dim / 2: all), from all tokens but the first; the pairs
+    chosen for ``context`` positions (turned_pair_gains)."""
     n = len(token_ids)
     if n <= SKIPPED_TOKENS:
         raise ValueError(f"key calibration needs more than {SKIPPED_TOKENS} tokens, got {n}")
@@ -89,25 +139,23 @@ def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int,
     positions = torch.arange(n, device=device)
     model.forward(torch.tensor(token_ids, device=device), positions, recorders, meta)
     inv_freq = model.rope_inv_freq().to(device, torch.float32)
-    if not turned:
-        means = [r.keys[SKIPPED_TOKENS:].mean(0) for r in recorders]
-        return [KeyOffset(m, m.clone(), torch.zeros_like(inv_freq)) for m in means]
     back = -positions[SKIPPED_TOKENS:]
-    return [KeyOffset(rope_turn(r.keys[SKIPPED_TOKENS:], back, inv_freq).mean(0), r.keys[0].clone(), inv_freq)
-            for r in recorders]
+    return [partial_offset(r.keys[SKIPPED_TOKENS:].mean(0), rope_turn(r.keys[SKIPPED_TOKENS:], back, inv_freq).mean(0),
+                           r.keys[0].clone(), inv_freq, turned_pairs, n - SKIPPED_TOKENS, context) for r in recorders]
 
 
 def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
-                          device: torch.device, dtype: torch.dtype, max_tokens: int, turned: bool) -> None:
+                          device: torch.device, dtype: torch.dtype, max_tokens: int, turned_pairs: int) -> None:
     """Measure the key offsets on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
     store its layer's (TurboKVStore.set_key_offset). Call before anything is written or captured."""
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
-    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype, turned)
+    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype, turned_pairs)
     for store, offset in zip(stores, offsets):
         store.set_key_offset(offset)
-    norms = torch.stack([o.mean.norm(dim=-1) for o in offsets])  # [layers, kv_heads]
+    norms = torch.stack([(o.const + o.mean).norm(dim=-1) for o in offsets])  # [layers, kv_heads]
     log.info(
-        "turbo K offsets (%s): mean key per layer and KV head over %d calibration tokens; |mean| min %.3g, "
-        "mean %.3g, max %.3g", "turned by RoPE, and the sink's key at position 0" if turned else "fixed",
-        len(token_ids) - SKIPPED_TOKENS, norms.min().item(), norms.mean().item(), norms.max().item(),
+        "turbo K offsets (%d of %d rotate-half pairs turned by RoPE%s): from %d calibration tokens; "
+        "|offset| per layer and KV head min %.3g, mean %.3g, max %.3g", turned_pairs, head_dim // 2,
+        ", the sink's key at position 0" if turned_pairs else "", len(token_ids) - SKIPPED_TOKENS,
+        norms.min().item(), norms.mean().item(), norms.max().item(),
     )  # fmt: skip

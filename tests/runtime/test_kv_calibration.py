@@ -1,5 +1,6 @@
 """Key offsets for turbo K caches: measured once per model, deterministic, handed to every turbo store."""
 
+import pytest
 import torch
 from prometheus_client import REGISTRY
 
@@ -48,7 +49,7 @@ def tiny_rope_model():
 def spied_offsets(model, cfg, ids):
     """The definition, computed apart: run the model over ``ids`` in 16-token chunks, turn each written key
     back to position 0 with complex numbers (pair f = (f, f + D/2) times e^(-i p theta_f)), average keys
-    1..n-1; the sink is key 0 as written."""
+    1..n-1; the sink is key 0 as written; also the mean of keys 1..n-1 as written."""
     n, d = len(ids), cfg.head_dim
     spies = [KeySpy(-(-n // 16), 16, cfg.num_kv_heads, d, torch.float32, "cpu") for _ in range(cfg.num_layers)]
     table = torch.arange(-(-n // 16), dtype=torch.int32)[None]
@@ -64,28 +65,53 @@ def spied_offsets(model, cfg, ids):
     for spy in spies:
         k = torch.cat(spy.keys).double()
         turned = torch.complex(k[..., : d // 2], k[..., d // 2 :]) * back[:, None]
-        out.append((torch.cat([turned.real, turned.imag], -1)[1:].mean(0), k[0]))
+        out.append((torch.cat([turned.real, turned.imag], -1)[1:].mean(0), k[0], k[1:].mean(0)))
     return out
 
 
 def test_key_offsets_turn_the_keys_back_to_position_zero_and_keep_the_sink():
     model, cfg = tiny_rope_model()
     ids = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-    first = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
-    again = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
-    for layer, (got, got_again, (mean, sink)) in enumerate(zip(first, again, spied_offsets(model, cfg, ids))):
+    args = (model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
+    first, again = key_offsets(*args, cfg.head_dim // 2), key_offsets(*args, cfg.head_dim // 2)
+    for layer, (got, got_again, (mean, sink, _)) in enumerate(zip(first, again, spied_offsets(model, cfg, ids))):
         assert got.mean.shape == (cfg.num_kv_heads, cfg.head_dim) and got.mean.dtype == torch.float32
         assert torch.equal(got.mean, got_again.mean) and torch.equal(got.sink, got_again.sink), "not deterministic"
         assert torch.allclose(got.mean.double(), mean, atol=1e-5), f"layer {layer}: not the mean turned-back key"
         assert torch.allclose(got.sink.double(), sink, atol=1e-6), f"layer {layer}: the sink is not key 0"
         assert torch.equal(got.inv_freq, model.rope_inv_freq())
+        assert got.const.eq(0).all() and got.pairs.tolist() == [list(range(cfg.head_dim // 2))] * cfg.num_kv_heads
+
+
+def test_partial_key_offsets_turn_the_pairs_that_gain_most_and_keep_the_mean_written_key_on_the_rest():
+    """Turning pair f removes n (|m_f|^2 - |c_f|^2) more of the keys' squared length than the constant c_f
+    (m the mean turned-back key, c the mean written key): the P pairs with the largest gain turn, with m
+    there and const 0; the others keep c and a zero mean."""
+    model, cfg = tiny_rope_model()
+    ids = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    d, turned_pairs = cfg.head_dim, 3
+    got = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, d, torch.device("cpu"), torch.float32,
+                      turned_pairs)
+    for layer, (offset, (mean, sink, written)) in enumerate(zip(got, spied_offsets(model, cfg, ids))):
+        for h in range(cfg.num_kv_heads):
+            m = torch.complex(mean[h, : d // 2], mean[h, d // 2 :])
+            c = torch.complex(written[h, : d // 2], written[h, d // 2 :])
+            gains = m.abs() ** 2 - c.abs() ** 2
+            want = sorted(gains.argsort(descending=True)[:turned_pairs].tolist())
+            assert offset.pairs[h].tolist() == want, f"layer {layer} head {h}: gains {gains.tolist()}"
+            turn = torch.zeros(d // 2, dtype=torch.bool)
+            turn[want] = True
+            turn = turn.repeat(2)
+            assert torch.allclose(offset.mean[h].double(), torch.where(turn, mean[h], 0.0), atol=1e-5)
+            assert torch.allclose(offset.const[h].double(), torch.where(turn, 0.0, written[h]), atol=1e-5)
+        assert torch.allclose(offset.sink.double(), sink, atol=1e-6) and offset.turns
 
 
 def test_fixed_key_offsets_are_the_mean_written_key_at_every_position():
     model, cfg = tiny_rope_model()
     ids = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(2)).tolist()
     got = key_offsets(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"),
-                      torch.float32, turned=False)
+                      torch.float32, 0)
     n, d = len(ids), cfg.head_dim
     spies = [KeySpy(-(-n // 16), 16, cfg.num_kv_heads, d, torch.float32, "cpu") for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(torch.arange(n), torch.arange(-(-n // 16), dtype=torch.int32)[None],
@@ -94,8 +120,9 @@ def test_fixed_key_offsets_are_the_mean_written_key_at_every_position():
         model.forward(torch.tensor(ids), torch.arange(n), spies, meta)
     for layer, (offset, spy) in enumerate(zip(got, spies)):
         want = spy.keys[0][1:].double().mean(0)
-        assert torch.allclose(offset.mean.double(), want, atol=1e-5), f"layer {layer}: not the mean written key"
-        assert torch.equal(offset.sink, offset.mean) and offset.inv_freq.eq(0).all(), "a fixed offset never turns"
+        assert torch.allclose(offset.const.double(), want, atol=1e-5), f"layer {layer}: not the mean written key"
+        assert torch.equal(offset.sink, offset.const) and offset.mean.eq(0).all() and offset.pairs.shape[1] == 0
+        assert not offset.turns, "a fixed offset never turns"
 
 
 def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_dense_engines_none():
@@ -106,20 +133,27 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
         ids = list(CALIBRATION_TEXT.encode())[:128]  # the byte tokenizer, cut at max_model_len
         args = (loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, torch.device("cpu"),
                 torch.float32)
-        for store, o in zip(turbo.kv_cache.stores, key_offsets(*args, turned=False)):
+        for store, o in zip(turbo.kv_cache.stores, key_offsets(*args, 0)):
             assert isinstance(store, TurboKVStore) and not store.offset_turns
-            assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
+            assert torch.equal(store.key_offset.const, o.const) and torch.equal(store.key_offset.sink, o.sink)
         assert all(not hasattr(s, "key_offset") for s in dense.kv_cache.stores)
         turned = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
                              kv_cache_dtype_v="turbo2", kv_key_offset="turned")
         assert build_info(turned.model_name)["kv_key_offset"] == "turned", "/metrics must say which offset runs"
         none = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
         engines += [turned, none]
-        for store, o in zip(turned.kv_cache.stores, key_offsets(*args, turned=True)):
+        for store, o in zip(turned.kv_cache.stores, key_offsets(*args, CONFIG.head_dim // 2)):
             assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
             assert store.offset_turns, "the sink at position 0 differs from the mean: the offset turns"
         assert all(s.key_offset is None for s in none.kv_cache.stores), "none: the spec's plain format"
-        for engine in (turbo, turned, none):
+        partial = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3",
+                              kv_key_offset="partial", kv_key_turned_pairs=5)
+        engines.append(partial)
+        assert build_info(partial.model_name)["kv_key_offset"] == "partial"
+        for store, o in zip(partial.kv_cache.stores, key_offsets(*args, 5)):
+            assert store.key_offset.pairs.shape == (CONFIG.num_kv_heads, 5) and store.offset_turns
+            assert all(torch.equal(getattr(store.key_offset, n), getattr(o, n)) for n in ("const", "mean", "pairs"))
+        for engine in (turbo, turned, none, partial):
             out = engine.generate(list(b"hello there"), SamplingParams(max_tokens=4, temperature=0.0))
             assert out.finish_reason == "length" and len(out.token_ids) == 4
     finally:
@@ -136,3 +170,12 @@ def test_a_key_offset_asked_of_a_dense_cache_is_ignored_with_a_warning(caplog):
         assert all(not hasattr(s, "key_offset") for s in engine.kv_cache.stores)
     finally:
         engine.shutdown()
+
+
+def test_a_partial_offset_with_a_bad_pair_count_is_refused_with_the_range():
+    loaded = ToyLoaded(model=ToyModel(CONFIG, seed=3), config=CONFIG)
+    for bad in (0, CONFIG.head_dim // 2 + 1):
+        with pytest.raises(ValueError, match=rf"--kv-key-turned-pairs must be in 1 \.\. {CONFIG.head_dim // 2} .*"
+                                             rf"got {bad}"):
+            make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="partial",
+                        kv_key_turned_pairs=bad)

@@ -13,10 +13,11 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     with fp32 accumulation; with fp32 queries (CPU tests) indices and the codebook's odd
     polynomial in fp32; the decoded tiles' column chunks are relabeled (COLUMN_ORDER) so
     their way through shared memory to the mma is free of bank conflicts;
-  * with a key offset (the pages hold k - o(p), key_offset.py) each tile's scores get <q, o(p)>
-    back: A, B of the unrotated query and the mean are turned by the tile start's angles, then
-    one dot with a constant table of the in-tile angles gives the tile's bias (fp16 operands on
-    the GPU, fp32 "ieee" otherwise), and position 0 gets <q, sink - mean> more; OFFSET=False
+  * with a key offset (the pages hold k - o(p), key_offset.py) each tile's scores get
+    <q, o(p) - const> back (const is softmax-invariant): A, B of the unrotated query and the mean
+    over the KV head's P turning pairs are turned by the tile start's angles, then one dot with a
+    constant [BLOCK, 2P] table of the in-tile angles gives the tile's bias (fp16 operands on the
+    GPU, fp32 "ieee" otherwise), and position 0 gets <q, sink - const - mean> more; OFFSET=False
     compiles today's kernel unchanged (layout_change.md "Fused decode");
   * a second small kernel, one program per (sequence, query head), merges the splits
     (log-sum-exp) and applies the one inverse rotation per output.
@@ -66,6 +67,9 @@ NUM_STAGES = None  # Triton's default (3) for the cp.async pipeline of the code 
 # turbo3 b8/64K 0.462 -> 0.405 ms, b1/64K 0.071 -> 0.063 ms (H200, docs/BENCHMARKS.md 01:38 block).
 COLUMN_ORDER = {(2, 128): (1, 0, 2, 3), (3, 128): (1, 0, 2, 3), (4, 128): (2, 0, 1, 3),
                 (2, 256): (2, 3, 0, 1, 4), (3, 256): (2, 1, 0, 3, 4), (4, 256): (3, 4, 2, 0, 1)}
+# The key offset's bias operand: up to this many columns (2 x the turned pairs) its heads are padded once per
+# program, beyond it every step (_turned_offset has the sm_90 counts for both).
+EARLY_PAD_COLUMNS = tl.constexpr(32)
 MERGE_SPLIT_TILE = 64  # splits a merge program reads at once ([64, D] float32: 64 registers a thread at D = 128)
 
 
@@ -163,64 +167,100 @@ def _padded_columns(x, ROWS: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, mean_ptr, sink_ptr, qk_scale, GQA: tl.constexpr,
-                  H: tl.constexpr, D: tl.constexpr):
-    """X, Y [H, D] and the sink's extra score [H] of the program's query heads (pre-scaled, not rotated).
+def _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, const_ptr, mean_ptr, sink_ptr, pairs_ptr, qk_scale,
+                  GQA: tl.constexpr, GQA_PAD: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                  PP: tl.constexpr):
+    """X, Y and the sink's extra score [H] of the program's query heads (pre-scaled, not rotated). For few
+    pairs (2 PP <= EARLY_PAD_COLUMNS) X^T, Y^T [2 PP, GQA_PAD] with the heads already in the columns of the
+    padded query tile (_query_rows), else X, Y [H, 2 PP] (_turned_offset pads them each step).
 
-    <q, RoPE(p) mean> = sum_f cos(theta_f p) A_f + sin(theta_f p) B_f with A = q1 m1 + q2 m2 and
-    B = q2 m1 - q1 m2 over RoPE's rotate-half pairs (f, f + D/2); X stacks (A, B) and Y (B, -A), so that
-    turning by an angle is X cos + Y sin. Position 0 holds the sink instead of RoPE(0) mean = mean, so it
-    scores <q, sink - mean> more (layout_change.md "Fused decode").
+    Over the KV head's P turning rotate-half pairs f = pairs[j] (padded to PP with zeros),
+    <q, RoPE(p) mean> = sum_j cos(theta_f p) A_j + sin(theta_f p) B_j with A = q1 m1 + q2 m2 and
+    B = q2 m1 - q1 m2, (q1, q2) and (m1, m2) the pair's dims (f, f + D/2); X stacks (A, B) and Y (B, -A), so
+    that turning by an angle is X cos + Y sin. The mean is zero on the other pairs: they add nothing.
+    <q, const> is the same for every key of the row, which softmax ignores: never added. Position 0 holds
+    the sink instead of const + RoPE(0) mean = const + mean, so it scores <q, sink - const - mean> more
+    than the bias gives it (the const dropped there too: layout_change.md "Fused decode").
     """
     HALF: tl.constexpr = D // 2
-    h = tl.arange(0, H)[:, None]
-    f = tl.arange(0, HALF)[None, :]
-    rows = q_ptr + q_row * q_stride_t + (kv_head * GQA + h) * q_stride_h
-    q1 = tl.load(rows + f, mask=h < GQA, other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(rows + HALF + f, mask=h < GQA, other=0.0).to(tl.float32) * qk_scale
-    m1, m2 = tl.load(mean_ptr + kv_head * D + f), tl.load(mean_ptr + kv_head * D + HALF + f)
-    s1, s2 = tl.load(sink_ptr + kv_head * D + f), tl.load(sink_ptr + kv_head * D + HALF + f)
+    EARLY: tl.constexpr = 2 * PP <= EARLY_PAD_COLUMNS
+    R: tl.constexpr = GQA_PAD if EARLY else H
+    if EARLY:
+        real, g = _query_rows(GQA_PAD, H)
+        real = (real & (g < GQA))[:, None]
+    else:
+        g = tl.arange(0, H)
+        real = (g < GQA)[:, None]
+    j = tl.arange(0, PP)[None, :]
+    rows = q_ptr + q_row * q_stride_t + (kv_head * GQA + g)[:, None] * q_stride_h
+    f = tl.load(pairs_ptr + kv_head * P + j, mask=j < P, other=0)
+    q1 = tl.load(rows + f, mask=real, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(rows + HALF + f, mask=real, other=0.0).to(tl.float32) * qk_scale
+    m1 = tl.load(mean_ptr + kv_head * D + f, mask=j < P, other=0.0)
+    m2 = tl.load(mean_ptr + kv_head * D + HALF + f, mask=j < P, other=0.0)
     a, b = q1 * m1 + q2 * m2, q2 * m1 - q1 * m2
-    x = tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (H, D))
-    y = tl.reshape(tl.permute(tl.join(b, -a), (0, 2, 1)), (H, D))
-    return x, y, tl.sum(q1 * (s1 - m1) + q2 * (s2 - m2), axis=1)
+    x = tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (R, 2 * PP))
+    y = tl.reshape(tl.permute(tl.join(b, -a), (0, 2, 1)), (R, 2 * PP))
+    h = tl.arange(0, H)[:, None]
+    d = kv_head * D + tl.arange(0, D)[None, :]
+    q = tl.load(q_ptr + q_row * q_stride_t + (kv_head * GQA + h) * q_stride_h + tl.arange(0, D)[None, :],
+                mask=h < GQA, other=0.0).to(tl.float32) * qk_scale
+    extra = tl.load(sink_ptr + d) - tl.load(const_ptr + d) - tl.load(mean_ptr + d)
+    if EARLY:
+        x, y = tl.trans(x), tl.trans(y)
+    return x, y, tl.sum(q * extra, axis=1)
 
 
 @triton.jit
-def _turn_table(inv_freq_ptr, BLOCK: tl.constexpr, D: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK, D]: cos(theta_f t) in column f, sin(theta_f t) in column D/2 + f, t = 0 .. BLOCK - 1.
+def _turn_table(inv_freq_ptr, pairs_ptr, kv_head, BLOCK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+                OP: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK, 2 PP]: cos(theta_f t) in column j, sin(theta_f t) in column PP + j, f = pairs[j], t = 0 .. BLOCK - 1.
 
     Built once per program in a plain blocked layout, which the compiler keeps in shared memory for the
     mma (a table joined from two halves stayed in 32 registers a thread and spilled)."""
-    col = tl.arange(0, D)[None, :]
-    angle = tl.arange(0, BLOCK).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + col % (D // 2))
+    col = tl.arange(0, 2 * PP)[None, :]
+    f = tl.load(pairs_ptr + kv_head * P + col % PP, mask=col % PP < P, other=0)
+    angle = tl.arange(0, BLOCK).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + f)
     cos, sin = sincos(angle, ASM)
-    return tl.where(col < D // 2, cos, sin).to(OP)
+    return tl.where(col < PP, cos, sin).to(OP)
 
 
 @triton.jit
-def _turned_offset(t0, x, y, inv_freq_ptr, D: tl.constexpr, GQA_PAD: tl.constexpr, H: tl.constexpr,
-                   OP: tl.constexpr, ASM: tl.constexpr):
-    """(A, B) turned by the angles theta_f t0 of the tile's first position, as the [D, GQA_PAD] operand of
+def _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P: tl.constexpr, PP: tl.constexpr,
+                   GQA_PAD: tl.constexpr, H: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):
+    """(A, B) turned by the angles theta_f t0 of the tile's first position, as the [2 PP, GQA_PAD] operand of
     the dot with the table whose result is <q, RoPE(t0 + t) mean> (layout_change.md "Fused decode").
 
     The angles are float32 products as the model rounds them. Shapes chosen by the sm_90 instruction
-    count (`python bench/turbo_sass.py --offset`): the pairs' shared angle joined in registers (no
-    shared-memory broadcast of cos/sin), the heads padded like P (zeros, as _padded_columns)."""
-    cos, sin = sincos(tl.load(inv_freq_ptr + tl.arange(0, D // 2)) * t0, ASM)
-    cos = tl.reshape(tl.permute(tl.join(cos, cos), (1, 0)), (D,))  # pairs (f, f + D/2) turn by one angle
-    sin = tl.reshape(tl.permute(tl.join(sin, sin), (1, 0)), (D,))
-    return _padded_columns(tl.trans((x * cos[None, :] + y * sin[None, :]).to(OP)), D, GQA_PAD, H)
+    count (`python bench/turbo_sass.py --offset`, turbo3 64 tokens / 4 warps, per step): with few pairs
+    (PP = 8) the heads come padded (_offset_terms) and each of the 2 PP columns computes its pair's
+    angle: 496 instructions, 8 barriers (padding here and joining the PP angles each went through shared
+    memory: 547, 15 barriers); with all 64 pairs the PP angles joined in registers and the heads padded
+    here, as zeros like P's (_padded_columns): 547 instructions, 8 barriers (605, 11 the other way)."""
+    if 2 * PP <= EARLY_PAD_COLUMNS:
+        col = tl.arange(0, 2 * PP) % PP  # A's and B's column of a pair: one angle; padding: pair 0's, times 0
+        freq = tl.load(inv_freq_ptr + tl.load(pairs_ptr + kv_head * P + col, mask=col < P, other=0))
+        cos, sin = sincos(freq * t0, ASM)
+        turned = (x * cos[:, None] + y * sin[:, None]).to(OP)
+    else:
+        j = tl.arange(0, PP)  # padding j >= P: pair 0's angle, times zero A and B
+        cos, sin = sincos(tl.load(inv_freq_ptr + tl.load(pairs_ptr + kv_head * P + j, mask=j < P, other=0)) * t0,
+                          ASM)
+        cos = tl.reshape(tl.permute(tl.join(cos, cos), (1, 0)), (2 * PP,))  # A's and B's row of a pair: one angle
+        sin = tl.reshape(tl.permute(tl.join(sin, sin), (1, 0)), (2 * PP,))
+        turned = _padded_columns(tl.trans((x * cos[None, :] + y * sin[None, :]).to(OP)), 2 * PP, GQA_PAD, H)
+    return turned
 
 
 @triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
-                   inv_sqrt, qk_scale, mean_ptr, sink_ptr, inv_freq_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, chunk,
+                   inv_sqrt, qk_scale, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, pairs_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, chunk,
                    num_splits, H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-                   K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr):
+                   K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
+                   P: tl.constexpr, PP: tl.constexpr):
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -236,10 +276,10 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         H: tl.constexpr = GQA_PAD if 2 * GQA > GQA_PAD else (GQA_PAD // 2 if 4 * GQA > GQA_PAD else GQA_PAD // 4)
         real, g = _query_rows(GQA_PAD, H)
         q_row = tl.load(q_start_ptr + seq).to(tl.int64)
-        if OFFSET:  # the pages hold k - o(p): scores get <q, o(p)> back (key_offset.py)
-            x, y, sink_extra = _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, mean_ptr, sink_ptr,
-                                             qk_scale, GQA, H, D)
-            table = _turn_table(inv_freq_ptr, BLOCK, D, OP, ASM)
+        if OFFSET:  # the pages hold k - o(p): scores get <q, o(p) - const> back (key_offset.py)
+            x, y, sink_extra = _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, const_ptr, mean_ptr,
+                                             sink_ptr, pairs_ptr, qk_scale, GQA, GQA_PAD, H, D, P, PP)
+            table = _turn_table(inv_freq_ptr, pairs_ptr, kv_head, BLOCK, P, PP, OP, ASM)
         q = tl.load(q_ptr + q_row * q_stride_t + (kv_head * GQA + g)[:, None] * q_stride_h + tl.arange(0, D)[None, :],
                     mask=(real & (g < GQA))[:, None], other=0.0).to(tl.float32)
         q = rotate_rows(tl.reshape(q, (GQA_PAD * NG, G)), first_ptr, second_ptr, inv_sqrt, GQA_PAD * NG, G, LOG2_G)
@@ -257,7 +297,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
             valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
                 t0 + BLOCK, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
             if OFFSET:  # before the K tile: both dots' operands then share one barrier (550 -> 532 per step)
-                turned = _turned_offset(t0, x, y, inv_freq_ptr, D, GQA_PAD, H, OP, ASM)
+                turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
             k = _tile(k_codes, row, valid, k_norm, k_table, k_poly, BLOCK, D, G, K_BITS, F16, ASM, K_ORDER)
             # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
             # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
@@ -376,6 +416,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs at least 16 rows
+    pairs = 0 if key_offset is None else key_offset.pairs.shape[1]
+    padded_pairs = max(8, triton.next_power_of_2(pairs))  # the bias dot's K = 2 PP: at least 16
     shape = dict(H_KV=kv_heads, GQA=gqa, GQA_PAD=gqa_pad, D=head_dim, G=group, LOG2_G=group.bit_length() - 1)
     with timed("turbo_decode_attention", q.device):
         _decode_kernel[(num_seqs, kv_heads, num_splits)](
@@ -383,9 +425,9 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
-            scale * LOG2E, *((part_m,) * 3 if key_offset is None else  # never read without OFFSET
-                             (key_offset.mean, key_offset.sink, key_offset.inv_freq)),
-            part_acc, part_m, part_l, chunk, num_splits, OFFSET=key_offset is not None,
+            scale * LOG2E, *((part_m,) * 4 + (meta.seq_lens,) if key_offset is None else  # never read without OFFSET
+                             (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq, key_offset.pairs)),
+            part_acc, part_m, part_l, chunk, num_splits, OFFSET=key_offset is not None, P=pairs, PP=padded_pairs,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),

@@ -2,22 +2,25 @@
 
 Real keys share a large direction per KV head (on SmolLM2-135M about 80 % of a key's length),
 and the quantizer's error is relative to the whole vector it is given: subtracting the shared
-part leaves it only what tells tokens apart. One definition covers both kinds the engine uses
+part leaves it only what tells tokens apart. One definition covers every kind the engine uses
 (server/runtime/kv_calibration.py measures them, ``--kv-key-offset``):
 
-    o(p) = RoPE(p) mean   for p >= 1,        o(0) = sink,
+    o(p) = const + RoPE(p) mean   for p >= 1,        o(0) = sink,
 
-with ``mean`` [kv_heads, D] and ``sink`` [kv_heads, D] float32, and RoPE the model's rotate-half
-rotation with its ``inv_freq`` [D/2]: pairs (f, f + D/2) turn by the angle p * inv_freq[f], in
-float32 as the model computes it.
-  * turned: mean is the mean key before RoPE (the shared direction is fixed there, so after RoPE
-    it turns with the key's position) and sink the attention sink's own key, unlike the others;
-  * fixed: inv_freq all zero and sink == mean, so o(p) is one vector at every position.
-Zero mean and sink give the spec's plain format.
+with ``const``, ``mean`` and ``sink`` [kv_heads, D] float32 and RoPE the model's rotate-half rotation
+with its ``inv_freq`` [D/2]: pairs (f, f + D/2) turn by the angle p * inv_freq[f], in float32 as the
+model computes it. ``mean`` is zero outside the rotate-half pairs listed per KV head in ``pairs``
+[kv_heads, P] int32 (each in [0, D/2), none twice), so only those P pairs turn.
+  * fixed: const = the mean key as written, mean = 0 (P = 0), sink = const: one vector everywhere;
+  * turned: const = 0, mean = the mean key before RoPE on all D/2 pairs (the shared direction is
+    fixed there, so after RoPE it turns with the key's position), sink = the attention sink's own key;
+  * partial: turned on the P pairs where that removes most (kv_calibration.py), fixed on the rest.
+All zero is the spec's plain format.
 
 The pages hold k - o(p), so attention scores <q, k> = <q, decoded> + <q, o(p)>. The decoded-pages
-path adds o(p) back to the keys. A fixed o moves every score of a query row alike, which softmax
-ignores, so the fused decode kernel skips it; a turned one it adds to its scores.
+path adds o(p) back to the keys. <q, const> moves every score of a query row alike, which softmax
+ignores, so the fused decode kernel adds only <q, RoPE(p) mean> (a dot over the P pairs) and at
+position 0 <q, sink - const - mean>; with a fixed offset it adds nothing.
 docs/BENCHMARKS.md "Quality" has the perplexity each buys. Plain torch: the engine imports it without Triton.
 """
 
@@ -30,11 +33,39 @@ import torch
 
 @dataclass(frozen=True)
 class KeyOffset:
-    """o(p) of one layer's K store: float32 ``mean`` and ``sink`` [kv_heads, D], ``inv_freq`` [D/2]."""
+    """o(p) of one layer's K store: float32 ``const``, ``mean``, ``sink`` [kv_heads, D], ``inv_freq`` [D/2],
+    and the int32 rotate-half ``pairs`` [kv_heads, P] outside which ``mean`` is zero."""
 
+    const: torch.Tensor
     mean: torch.Tensor
     sink: torch.Tensor
     inv_freq: torch.Tensor
+    pairs: torch.Tensor
+
+    @staticmethod
+    def fixed(const: torch.Tensor, inv_freq: torch.Tensor) -> KeyOffset:
+        """o(p) = const at every position."""
+        none = torch.zeros(const.shape[0], 0, dtype=torch.int32, device=const.device)
+        return KeyOffset(const, torch.zeros_like(const), const.clone(), inv_freq, none)
+
+    @staticmethod
+    def turned(mean: torch.Tensor, sink: torch.Tensor, inv_freq: torch.Tensor) -> KeyOffset:
+        """o(p) = RoPE(p) mean on all pairs, the sink at 0."""
+        heads, half = mean.shape[0], mean.shape[1] // 2
+        pairs = torch.arange(half, dtype=torch.int32, device=mean.device).expand(heads, half).contiguous()
+        return KeyOffset(torch.zeros_like(mean), mean, sink, inv_freq, pairs)
+
+    @property
+    def turns(self) -> bool:
+        """Whether o(p) depends on p (then the fused decode adds <q, o(p)> beyond the softmax-invariant const)."""
+        return bool(self.mean.any()) or not torch.equal(self.sink, self.const)
+
+
+def pair_mask(pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[kv_heads, D] bool: the dims of the listed rotate-half pairs (f and f + D/2)."""
+    half = torch.zeros(pairs.shape[0], head_dim // 2, dtype=torch.bool, device=pairs.device)
+    half.scatter_(1, pairs.long(), True)
+    return half.repeat(1, 2)
 
 
 def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -47,6 +78,5 @@ def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
 
 def key_offset_at(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
     """o(p) for every position [T] -> float32 [T, kv_heads, D] (the definition; kernels compute it in place)."""
-    turned = rope_turn(offset.mean, positions, offset.inv_freq)
-    return torch.where((positions == 0)[:, None, None], offset.sink.float()[None], turned)
-
+    varying = rope_turn(offset.mean, positions, offset.inv_freq) + offset.const.float()[None]
+    return torch.where((positions == 0)[:, None, None], offset.sink.float()[None], varying)

@@ -122,20 +122,22 @@ def _tie_magnitude(y):
 
 
 @triton.jit
-def _offset_values(mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: tl.constexpr):
+def _offset_values(const_ptr, mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: tl.constexpr):
     """o(p) at dims d [R, C] of rows of KV head ``head`` [R] at positions p [R, 1] (key_offset.key_offset_at):
-    RoPE's rotate-half pairs (d, d +- D/2) turned by the angle whose cos/sin are given; the sink at p == 0."""
+    const plus the mean's rotate-half pairs (d, d +- D/2) turned by the angle whose cos/sin are given (the
+    mean is zero on pairs that do not turn: every pair is computed, no gather); the sink at p == 0."""
     HALF_D: tl.constexpr = D // 2
     at = head[:, None] * D
     mean = tl.load(mean_ptr + at + d, mask=ok[:, None], other=0.0)
     partner = tl.load(mean_ptr + at + (d + HALF_D) % D, mask=ok[:, None], other=0.0)
-    turned = mean * cos + tl.where(d < HALF_D, -partner, partner) * sin
+    turned = tl.load(const_ptr + at + d, mask=ok[:, None], other=0.0) + mean * cos + \
+        tl.where(d < HALF_D, -partner, partner) * sin
     return tl.where(p == 0, tl.load(sink_ptr + at + d, mask=ok[:, None], other=0.0), turned)
 
 
 @triton.jit
 def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
-                   mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
+                   const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
                    H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
                    STAGES: tl.constexpr, ASM: tl.constexpr):
@@ -180,18 +182,18 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norm
         hi = tl.load(x_ptr + base[:, None] + G2 + c, mask=ok[:, None], other=0.0).to(tl.float32)
         d_lo = (rg % NG * G)[:, None] + c
         d_hi = d_lo + G2
-        if OFFSET == "fixed":  # o(p) = mean at every position (the sink is the mean, nothing turns)
-            lo -= tl.load(mean_ptr + head[:, None] * D + d_lo, mask=ok[:, None], other=0.0)
-            hi -= tl.load(mean_ptr + head[:, None] * D + d_hi, mask=ok[:, None], other=0.0)
-        if OFFSET == "turned":  # k - o(p): mean and sink float32 [H, D], inv_freq [D / 2]
+        if OFFSET == "fixed":  # o(p) = const at every position (the sink is const, the mean 0)
+            lo -= tl.load(const_ptr + head[:, None] * D + d_lo, mask=ok[:, None], other=0.0)
+            hi -= tl.load(const_ptr + head[:, None] * D + d_hi, mask=ok[:, None], other=0.0)
+        if OFFSET == "turned":  # k - o(p): const, mean and sink float32 [H, D], inv_freq [D / 2]
             p = tl.load(pos_ptr + tok, mask=rg // NG < n_rows, other=0).to(tl.float32)[:, None]
             cos_lo, sin_lo = sincos(p * tl.load(inv_freq_ptr + d_lo % (D // 2)), ASM)
             if NG == 1:  # the half groups are RoPE's pairs: one angle for both
                 cos_hi, sin_hi = cos_lo, sin_lo
             else:
                 cos_hi, sin_hi = sincos(p * tl.load(inv_freq_ptr + d_hi % (D // 2)), ASM)
-            lo -= _offset_values(mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
-            hi -= _offset_values(mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
+            lo -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
+            hi -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
         n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
         # rotation.rotate_rows in two halves: y = n * rotate(x / n), the rotation being linear
         lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2,
@@ -221,19 +223,19 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norm
 
 @triton.jit
 def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr,
-                  k_codes, k_norms, k_mid, k_cent, k_mean, k_sink, inv_freq, v_codes, v_norms, v_mid, v_cent,
+                  k_codes, k_norms, k_mid, k_cent, k_const, k_mean, k_sink, inv_freq, v_codes, v_norms, v_mid, v_cent,
                   first_ptr, second_ptr, inv_sqrt, n_rows,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
     # K_OFFSET: "none", "fixed" or "turned" (store_turbo_triton's key_offset and key_offset_turns)
     if tl.program_id(1) == 0:
-        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_mean,
-                       k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
+        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_const,
+                       k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
                        K_BITS, K_OFFSET, STAGES, ASM)
     else:
-        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_mean,
-                       k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
+        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_const,
+                       k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
                        V_BITS, "none", STAGES, ASM)
 
 
@@ -243,7 +245,7 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
                        launch: StoreLaunch = STORE_LAUNCH) -> None:
     """Quantize k - o(positions) and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch
     for both. ``key_offset`` (contiguous float32 tensors, TurboKVStore.key_offset); None: the spec's plain format.
-    ``key_offset_turns`` False promises o(p) = mean everywhere (TurboKVStore.offset_turns): no angles computed.
+    ``key_offset_turns`` False promises o(p) = const everywhere (KeyOffset.turns): no angles computed.
     """
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -259,7 +261,8 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
         programs = min(tiles, INTERPRETER_PROGRAMS)
     options = {} if launch.max_registers is None else {"maxnreg": launch.max_registers}
     unused = k_pages.centroids  # any float32 pointer for the offset arguments: never read without K_OFFSET
-    offset = (unused, unused, unused) if key_offset is None else (key_offset.mean, key_offset.sink, key_offset.inv_freq)
+    offset = ((unused,) * 4 if key_offset is None else
+              (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq))
     with timed("turbo_store", k.device):
         _store_kernel[(programs, 2)](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping, positions,

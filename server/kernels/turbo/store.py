@@ -7,7 +7,7 @@ page_size * row_bytes consecutive bytes per page.
 
 Key offset: K pages hold k - o(p), with o the offset of key_offset.py (None by default: the spec's
 plain format). server/runtime/kv_calibration.py measures it per layer at start-up and sets it before
-anything is written. Attention adds it back only when it turns with p: a constant o shifts every
+anything is written. Attention adds it back only when it varies with p: a constant o shifts every
 score of a query row alike, which softmax ignores (in exact arithmetic; in float32 the two differ
 by rounding, docs/BENCHMARKS.md "Quality" measures how much that moves perplexity).
 """
@@ -22,7 +22,7 @@ from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_t
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
 
 
@@ -61,25 +61,37 @@ class TurboKVStore:
         self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
         self.inv_sqrt = inv_sqrt_group(group)
         self.key_offset: KeyOffset | None = None
-        self.offset_turns = False  # whether o(p) depends on p (then the fused decode adds <q, o(p)>)
+        self.offset_turns = False  # whether o(p) varies with p (KeyOffset.turns: then attention adds it back)
 
     def set_key_offset(self, offset: KeyOffset) -> None:
         """Quantize k - o(p) from now on. Set it before the first write: pages written earlier hold k
         minus the old offset, and attention adds back only the current one."""
-        shapes = {"mean": (self.num_kv_heads, self.head_dim), "sink": (self.num_kv_heads, self.head_dim),
-                  "inv_freq": (self.head_dim // 2,)}
+        h, d = self.num_kv_heads, self.head_dim
+        pairs = offset.pairs
+        if pairs.dim() != 2 or pairs.shape[0] != h or pairs.shape[1] > d // 2:
+            raise ValueError(f"key offset pairs must have shape [{h}, P] with P <= {d // 2} (head_dim / 2), "
+                             f"got {list(pairs.shape)}")
+        shapes = {"const": (h, d), "mean": (h, d), "sink": (h, d), "inv_freq": (d // 2,), "pairs": tuple(pairs.shape)}
         for name, shape in shapes.items():
             t = getattr(offset, name)
             if tuple(t.shape) != shape:
                 raise ValueError(f"key offset {name} must have shape {list(shape)}, got {list(t.shape)}")
-            if not torch.isfinite(t).all():
+            if name != "pairs" and not torch.isfinite(t).all():
                 raise ValueError(f"key offset {name} must be finite; a NaN or infinity would poison every key")
-        if self.key_offset is None:
-            self.key_offset = KeyOffset(*(torch.empty(shapes[n], dtype=torch.float32, device=self.k.codes.device)
-                                          for n in shapes))
+        if pairs.dtype != torch.int32 or pairs.numel() and (pairs.min() < 0 or pairs.max() >= d // 2):
+            raise ValueError(f"key offset pairs must be int32 rotate-half pair indices in [0, {d // 2}), got "
+                             f"{pairs.dtype} {pairs.tolist()}")
+        if pairs.shape[1] > 1 and (pairs.sort(dim=1).values.diff(dim=1) == 0).any():
+            raise ValueError(f"key offset pairs must not list a pair twice in one KV head, got {pairs.tolist()}")
+        if offset.mean.masked_fill(pair_mask(pairs.to(offset.mean.device), d), 0).any():
+            raise ValueError("key offset mean must be zero outside its pairs (only the listed pairs turn)")
+        device = self.k.codes.device
+        if self.key_offset is None or self.key_offset.pairs.shape != pairs.shape:
+            self.key_offset = KeyOffset(*(torch.empty(shapes[n], dtype=torch.int32 if n == "pairs" else torch.float32,
+                                                      device=device) for n in shapes))
         for name in shapes:  # in place: captured CUDA graphs keep reading these tensors
             getattr(self.key_offset, name).copy_(getattr(offset, name))
-        self.offset_turns = bool(offset.inv_freq.any()) or not torch.equal(offset.sink, offset.mean)
+        self.offset_turns = offset.turns
 
     @staticmethod
     def bits_per_value(kind: str) -> float:
