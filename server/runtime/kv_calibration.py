@@ -10,8 +10,11 @@ keys k_f(p) (a complex number per pair) are summarized two ways:
     before RoPE, so RoPE(p) m follows it at every position, but attention must add <q, RoPE(p) m>.
 Over the n calibration keys the squared residual is sum |k_f|^2 - n |c_f|^2 with the constant and
 sum |k_f|^2 - n |m_f|^2 with the turned mean, so turning pair f removes n (|m_f|^2 - |c_f|^2) more.
-``turned_pairs`` P picks the P pairs of each KV head with the largest |m_f|^2 - |c_f|^2: they turn
-(mean = m there, const = 0), the others keep c_f (mean = 0). P = 0 is ``--kv-key-offset fixed`` (the sink
+``turned_pairs`` P picks the P pairs of each KV head with the largest gain: they turn (mean = m there,
+const = 0), the others keep c_f (mean = 0). The engine asks for the gain over its longest context
+(turned_pair_gains): the calibration text is a few hundred tokens, and a pair too slow to turn within it
+still turns over thousands (SmolLM2, turbo3, 8 pairs: perplexity +7.2 % chosen for 2048 positions, +9.0 %
+by the calibration text's own gain, docs/BENCHMARKS.md "Quality"). P = 0 is ``--kv-key-offset fixed`` (the sink
 is then c too: nothing varies with p, the fused decode does no extra work), P = D/2 ``turned``, in
 between ``partial`` (decode attention dots only the P pairs); with P > 0 the sink is the first key itself.
 Fixed per model (never per batch or sequence, so batch invariance holds), deterministic, and one
@@ -146,10 +149,12 @@ def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int,
 
 def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
                           device: torch.device, dtype: torch.dtype, max_tokens: int, turned_pairs: int) -> None:
-    """Measure the key offsets on CALIBRATION_TEXT (at most ``max_tokens`` of it) and give each turbo
-    store its layer's (TurboKVStore.set_key_offset). Call before anything is written or captured."""
+    """Measure the key offsets on CALIBRATION_TEXT (at most ``max_tokens`` of it, the engine's max_model_len) and
+    give each turbo store its layer's (TurboKVStore.set_key_offset); a partial offset turns the pairs that gain
+    most over ``max_tokens`` positions. Call before anything is written or captured."""
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
-    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype, turned_pairs)
+    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype, turned_pairs,
+                          context=max_tokens)
     for store, offset in zip(stores, offsets):
         store.set_key_offset(offset)
     norms = torch.stack([(o.const + o.mean).norm(dim=-1) for o in offsets])  # [layers, kv_heads]

@@ -1,5 +1,7 @@
 """Key offsets for turbo K caches: measured once per model, deterministic, handed to every turbo store."""
 
+import math
+
 import pytest
 import torch
 from prometheus_client import REGISTRY
@@ -7,7 +9,7 @@ from prometheus_client import REGISTRY
 from runtime_toy import ToyConfig, ToyLoaded, ToyModel, make_engine
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.store import TurboKVStore
-from server.runtime.kv_calibration import CALIBRATION_TEXT, key_offsets
+from server.runtime.kv_calibration import CALIBRATION_TEXT, key_offsets, turned_pair_gains
 from server.runtime.models import llama
 from server.runtime.models.config import ModelConfig
 from server.runtime.sequence import SamplingParams
@@ -150,7 +152,7 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
                               kv_key_offset="partial", kv_key_turned_pairs=5)
         engines.append(partial)
         assert build_info(partial.model_name)["kv_key_offset"] == "partial"
-        for store, o in zip(partial.kv_cache.stores, key_offsets(*args, 5)):
+        for store, o in zip(partial.kv_cache.stores, key_offsets(*args, 5, context=128)):  # max_model_len
             assert store.key_offset.pairs.shape == (CONFIG.num_kv_heads, 5) and store.offset_turns
             assert all(torch.equal(getattr(store.key_offset, n), getattr(o, n)) for n in ("const", "mean", "pairs"))
         for engine in (turbo, turned, none, partial):
@@ -179,3 +181,24 @@ def test_a_partial_offset_with_a_bad_pair_count_is_refused_with_the_range():
                                              rf"got {bad}"):
             make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="partial",
                         kv_key_turned_pairs=bad)
+
+
+def test_pair_gains_over_a_longer_context_count_the_pairs_too_slow_to_turn_in_the_calibration_text():
+    """A pair whose angle moves 0.1 rad over 100 calibration keys looks constant there (m = c: no gain), but over
+    10,000 positions a constant keeps only |sinc|^2 of it: (1 - |mean e^(i p theta)|^2) |m|^2 is the gain, in
+    closed form here (geometric series). A fast pair keeps its measured |m|^2 - |c|^2."""
+    slow, fast = 1e-3, 1.0
+    inv_freq = torch.tensor([slow, fast])
+    # [1 head, D = 4]: pair 0 = (0, 2), pair 1 = (1, 3); m: (3, 0) and (2, 0); c: (3, 0) and (0.5, 0)
+    turned_back, written = torch.tensor([[3.0, 2.0, 0.0, 0.0]]), torch.tensor([[3.0, 0.5, 0.0, 0.0]])
+    measured = turned_pair_gains(written, turned_back, inv_freq, keys=100)
+    assert torch.allclose(measured, torch.tensor([[0.0, 4.0 - 0.25]]))
+
+    def kept(theta, n):  # |(1/n) sum_{p=1..n} e^(i p theta)|^2 = (sin(n theta / 2) / (n sin(theta / 2)))^2
+        return (math.sin(n * theta / 2) / (n * math.sin(theta / 2))) ** 2
+
+    long = turned_pair_gains(written, turned_back, inv_freq, keys=100, context=10000).double()
+    want = torch.tensor([9 * (1 - kept(slow, 10000)) - 9 * (1 - kept(slow, 100)),
+                         4 * (1 - kept(fast, 10000)) - 0.25 * (1 - kept(fast, 100))], dtype=torch.float64)
+    assert torch.allclose(long[0], want, rtol=1e-4), (long, want)
+    assert long[0, 0] > 5, "the slow pair must gain over a long context"
