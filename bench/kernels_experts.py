@@ -415,9 +415,13 @@ def check_dp4a(device) -> list[str]:
     for fmt in ("q2_0", "q1_0"):
         a = torch.randn((8, 6144), generator=gen, device=device) * torch.rand((8, 1), generator=gen, device=device)
         a[0, 64:96] = 0
-        if not torch.equal(int8_activations.quantize_triton(a, fmt), int8_activations.quantize_reference(a, fmt)):
-            raise AssertionError(f"{fmt}: the activation quantization kernel differs from its torch definition")
-        lines.append(f"{fmt} int8 activation planes: equal to the torch definition (8 x 6144)")
+        got, want = int8_activations.quantize_triton(a, fmt), int8_activations.quantize_reference(a, fmt)
+        if not torch.equal(got, want):  # reported, not raised: the timings below are still worth having
+            lines.append(f"{fmt} int8 activation planes: DIFFER from the torch definition in "
+                         f"{int((got != want).sum())} of {got.numel()} words ({int((got[:, 8] != want[:, 8]).sum())} "
+                         f"-Σq, {int((got[:, 9] != want[:, 9]).sum())} scales)")
+        else:
+            lines.append(f"{fmt} int8 activation planes: equal to the torch definition (8 x 6144)")
         gu = random_weights(fmt, 64, 2 * 2048, 6144, device, gen)
         dn = random_weights(fmt, 64, 6144, 2048, device, gen)
         op = functools.partial(moe.fused_moe_triton, gemv=True, int8_activations=True)
@@ -638,8 +642,12 @@ def run_dp4a(device: torch.device, copy_gbs: float):
     """EXPERTS_DP4A=1: the 8-bit-activation checks, the integer-dot sweep, and q1_0/q2_0 decode rows of the GEMV and
     dp4a bodies only (deep T=1 and T=8); the float GEMV body is checked for q2_0 (its epilogue,
     the same for every format, is shared with the dp4a body)."""
-    for line in check_dp4a(device) + check_gemv(device, formats=("q2_0",)):
-        print("correctness:", line, flush=True)
+    for check in (check_dp4a, functools.partial(check_gemv, formats=("q2_0",))):
+        try:
+            for line in check(device):
+                print("correctness:", line, flush=True)
+        except AssertionError as exc:  # reported; the sweep checks every setting it times again
+            print(f"correctness: FAILED: {exc}", flush=True)
     sweep_dp4a(device, copy_gbs)
     os.environ["TURBOSERVE_PDL"] = "0"  # the shipped setting once more without programmatic dependent launch
     pdl._supported.cache_clear()

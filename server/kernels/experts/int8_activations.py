@@ -1,8 +1,10 @@
 """8-bit activations for the integer-dot decode body of q1_0/q2_0 experts (moe_dp4a.py): definition and kernel.
 
 An activation row (the rotated x for gate_up, the rotated h for down) is cut into groups of GROUP = 32
-consecutive values along K; a group gets one float32 scale s = max|a| / 127 and int8 q = round(a / s) (half to
-even; q = 0 for an all-zero group), so a ≈ s·q with |a - s·q| <= s / 2 = max|a| / 254. This is llama.cpp's
+consecutive values along K; a group gets one float32 scale s = max|a| · fp32(1/127) and int8 q = round(a / s) (half
+to even; q = 0 for an all-zero group), so a ≈ s·q with |a - s·q| <= s / 2 ≈ max|a| / 254. s is a product, not a
+quotient, because torch on CUDA divides by a Python scalar as a multiply by its reciprocal: only a product is
+rounded the same by torch on CPU and GPU and by the kernel (H200 check, 07:11 UTC: max|a| / 127 differed). This is llama.cpp's
 q8_1-style activation quantization, and it changes the op's numerics: `fake_quantize` gives the values the
 integer body multiplies, and moe_reference.fused_moe_reference(..., int8_activations=True) is the op with them.
 
@@ -29,6 +31,8 @@ from server.kernels.timing import timed
 
 GROUP = 32
 PLANES = 10
+INV_127 = float(torch.tensor(1 / 127, dtype=torch.float32))  # fp32(1/127), the scale's factor
+_INV_127 = tl.constexpr(INV_127)
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND is v rounded half to even for |v| < 2^22
 
 
@@ -37,7 +41,7 @@ def group_scales(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if a.shape[-1] % GROUP:
         raise ValueError(f"8-bit activations come in groups of {GROUP}; a row of {a.shape[-1]} values is not a multiple")
     g = a.float().reshape(a.shape[0], -1, GROUP)
-    s = g.abs().amax(-1) / 127
+    s = g.abs().amax(-1) * torch.tensor(INV_127, dtype=torch.float32, device=a.device)
     q = torch.where(s[..., None] > 0, torch.round(g / torch.where(s > 0, s, 1)[..., None]), 0.0)
     return q, s
 
@@ -85,8 +89,8 @@ def _quantize_kernel(a_ptr, out_ptr, G, stride_a, stride_o, FORMAT: tl.constexpr
     k = tl.arange(0, 32)
     live = g < G
     a = tl.load(a_ptr + row * stride_a + g[:, None] * 32 + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    # IEEE division and round-half-even, as the torch definition (group_scales) computes them: same q bit for bit.
-    s = tl.math.div_rn(tl.max(tl.abs(a), 1), 127.0)
+    # The product, IEEE division and round-half-even of the torch definition (group_scales): same q bit for bit.
+    s = tl.max(tl.abs(a), 1) * _INV_127
     v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0)[:, None])
     q = ((v + _ROUND) - _ROUND).to(tl.int32)
     if FORMAT == Q2_0:
