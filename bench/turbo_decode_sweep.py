@@ -33,7 +33,7 @@ from server.kernels.turbo.attention import (
 )
 
 KV_HEADS, HEAD_DIM = kernels_turbo.KV_HEADS, kernels_turbo.HEAD_DIM  # the shapes random_decode_inputs builds
-OFFSET_PAIRS = (4, 8, 16)  # partial key offsets --offset also runs: turned rotate-half pairs per KV head
+OFFSET_PAIRS = (8, 16)  # partial key offsets --offset also runs (turned pairs per KV head; 4 compiles as 8)
 # (block_n, num_warps, max registers, pipeline stages) and the programs per SM to size the splits for, besides
 # choose_splits' count; None: the compiler's choice. Residency from the offline sm_90 build (bench/turbo_sass.py):
 # 64/4 at 128 / 96 / 80 registers holds 4 / 5 / 6 programs per SM (35 KB shared each); 16/1 (one warp, mma.sync)
