@@ -31,7 +31,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: Ch
     prompt_ids = await run_in_threadpool(render_prompt, ctx, body)
     max_tokens = ctx.max_tokens(body.requested_max_tokens, len(prompt_ids), default=None)
     sequences = [(prompt_ids, body.sampling_params(max_tokens, body.engine_logprobs, i)) for i in range(body.n)]
-    request_id, group = ctx.start("chatcmpl", sequences, prompt_param="messages")
+    request_id, group = ctx.start("chatcmpl", sequences, prompt_param="messages", count_param="n")
     header = {"id": request_id, "created": int(time.time()), "model": ctx.model_name,
               "system_fingerprint": ctx.system_fingerprint}
     if body.stream:

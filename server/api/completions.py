@@ -54,7 +54,8 @@ async def create_completion(ctx: ServingContext, request: Request, body: Complet
             params = body.sampling_params(max_tokens, body.logprobs, sample)
             params.prompt_logprobs = body.echo and body.logprobs is not None
             sequences.append((ids, params))
-    request_id, group = ctx.start("cmpl", sequences, prompt_param="prompt")
+    request_id, group = ctx.start("cmpl", sequences, prompt_param="prompt",
+                                  count_param="n" if body.n > 1 else "prompt")
     choices = [_Choice(ctx, body, prompt) for prompt in prompts for _ in range(body.n)]
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
               "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}

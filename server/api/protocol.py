@@ -1,11 +1,13 @@
 """OpenAI request bodies (pydantic) and their translation into engine SamplingParams.
 
 Strict types (a string where a number belongs is an error, as at OpenAI); unknown fields are
-accepted and ignored, as OpenAI does.
+accepted and ignored, as OpenAI does; known features this server lacks (tools, JSON mode, logit
+biases...) are refused, since ignoring them would return something other than what was asked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,10 +18,32 @@ from server.runtime.sequence import SamplingParams
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 CHAT_ROLES = ("system", "user", "assistant")
 
+# Features this server does not implement and whose silent omission would change the reply the client
+# relies on (JSON mode, tool calls, biased tokens): refused with a 400, not ignored like unknown fields.
+# name -> (whether the sent value asks for the feature, what the feature is)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (bool, "logit biases"),
+    "tools": (bool, "tool calling"),
+    "functions": (bool, "function calling"),
+    "tool_choice": (lambda v: v not in ("none", "auto"), "tool calling"),
+    "function_call": (lambda v: v not in ("none", "auto"), "function calling"),
+    "response_format": (lambda v: v != {"type": "text"}, "structured output (only {'type': 'text'})"),
+    "suffix": (bool, "insertion after a suffix"),
+    "modalities": (lambda v: v != ["text"], "output modalities other than text"),
+    "audio": (lambda v: True, "audio output"),
+}
+
 
 def _invalid(param: str, message: str) -> ApiError:
     # Cross-field checks raise ApiError, which pydantic lets through, so the error names its field.
     return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, (asks_for_it, feature) in UNSUPPORTED.items():
+        if name in body and asks_for_it(body[name]):
+            raise ApiError(400, f"'{name}' asks for {feature}, which this server does not support; remove it "
+                           "from the request.", param=name, code="unsupported_parameter")
 
 
 class _Body(BaseModel):
@@ -77,6 +101,7 @@ class _SamplingFields(_Body):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    best_of: Annotated[int, Field(ge=1)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
@@ -85,9 +110,13 @@ class _SamplingFields(_Body):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, body: Any) -> Any:
+    def _nulls_and_unsupported(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            return body
         # Many clients send `"temperature": null` for "not set"; every field's default is that.
-        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+        body = {k: v for k, v in body.items() if v is not None}
+        _refuse_unsupported(body)
+        return body
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -102,6 +131,16 @@ class _SamplingFields(_Body):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true.")
+        return self
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        # best_of > n would rank best_of samples by likelihood and return n; this server returns all it samples.
+        if self.best_of is not None and self.best_of < self.n:
+            raise _invalid("best_of", f"best_of ({self.best_of}) must be at least n ({self.n}).")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ApiError(400, f"best_of={self.best_of} > n={self.n} is not supported; send n={self.best_of} "
+                           "and pick among the choices yourself.", param="best_of", code="unsupported_parameter")
         return self
 
     @property

@@ -44,11 +44,17 @@ class ServingContext:
         return room if default is None else min(default, room)
 
     def start(self, prefix: str, sequences: list[tuple[list[int], SamplingParams]],
-              prompt_param: str) -> tuple[str, SequenceGroup]:
-        """Submit a request's sequences; engine refusals become 400 (naming the field) or 503."""
+              prompt_param: str, count_param: str) -> tuple[str, SequenceGroup]:
+        """Submit a request's sequences; engine refusals become 400 (naming the field) or 503.
+        `count_param` is the field that multiplied the sequences (n, or prompt for several prompts)."""
         if not self.engine.is_alive():
             raise ApiError(503, "The engine loop is not running; the server cannot take requests.",
                            type="overloaded_error", code="engine_unavailable")
+        queue = self.engine.config.max_queue
+        if len(sequences) > queue:  # would be refused as "overloaded" however idle the server is
+            raise ApiError(400, f"This request asks for {len(sequences)} sequences (prompts x n) but the server "
+                           f"queues at most {queue} (--max-queue); send fewer prompts or a smaller n.",
+                           param=count_param, code="invalid_value")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         group = SequenceGroup(self.engine, request_id)
         try:

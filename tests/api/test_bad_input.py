@@ -68,6 +68,20 @@ CASES = [
     ("completion-beyond-context", COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN), 400, "max_tokens", None),
     ("completion-n-zero", COMPLETIONS, completion(n=0), 400, "n", "invalid_value"),
     ("completion-wrong-model", COMPLETIONS, completion(model="davinci"), 404, "model", "model_not_found"),
+    ("completion-sequences-beyond-the-queue", COMPLETIONS, completion(prompt=[[28]] * 3, n=128), 400, "n",
+     "invalid_value"),  # 384 sequences > --max-queue 256: refused at once, not "overloaded, retry" forever
+    ("completion-prompts-beyond-the-queue", COMPLETIONS, completion(prompt=[[28]] * 257), 400, "prompt",
+     "invalid_value"),
+    # Features the server lacks are refused, not silently dropped (the reply would not be what was asked).
+    ("logit-bias", CHAT, chat(logit_bias={"28": 100}), 400, "logit_bias", "unsupported_parameter"),
+    ("json-mode", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format",
+     "unsupported_parameter"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools",
+     "unsupported_parameter"),
+    ("tool-choice-required", CHAT, chat(tool_choice="required"), 400, "tool_choice", "unsupported_parameter"),
+    ("completion-suffix", COMPLETIONS, completion(suffix="end"), 400, "suffix", "unsupported_parameter"),
+    ("completion-best-of-above-n", COMPLETIONS, completion(best_of=3), 400, "best_of", "unsupported_parameter"),
+    ("completion-best-of-below-n", COMPLETIONS, completion(best_of=1, n=2), 400, "best_of", "invalid_value"),
     ("oversized-body", CHAT, chat(messages=[{"role": "user", "content": "x" * (5 * 2**20)}]), 413, None,
      "request_too_large"),
 ]
@@ -99,6 +113,14 @@ def test_chunked_oversized_body_is_refused_without_a_length(api_server):
 
 def test_unknown_fields_are_ignored(api_server):
     response = httpx.post(api_server.v1 + CHAT, json=chat(frobnicate=True, user="me", temperature=0), timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_unsupported_features_in_their_off_position_are_accepted(api_server):
+    # What SDKs send by default ("no tools", plain text): these ask for nothing the server lacks.
+    off = dict(tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={}, best_of=1,
+               modalities=["text"], temperature=0)
+    response = httpx.post(api_server.v1 + CHAT, json=chat(**off), timeout=60)
     assert response.status_code == 200, response.text
 
 
