@@ -23,6 +23,10 @@ per call and host time per call).
 EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a minute plus
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
 q2_0 and q1_0, no tile sweep, no prefill.
+
+EXPERTS_DP4A=1 python bench/kernels.py experts: q1_0/q2_0 on 8-bit activations only (moe_dp4a.py): its checks
+(check_dp4a), the sweep of its launch settings (sweep_dp4a; the shipped setting also with PDL off), and deep T=1
+and T=8 rows of the dp4a and float GEMV bodies (about 30 s on a warm H200).
 """
 
 from __future__ import annotations
@@ -152,9 +156,10 @@ def _decode_inputs(shape: dict, tokens: int, device, gen) -> tuple[list, int, in
 
 
 def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, formats=FORMATS,
-                 other_bodies=("mma", "gemv", "gemm")) -> list[Row]:
+                 other_bodies=("mma", "gemv", "gemm", "dp4a")) -> list[Row]:
     """Full op and kernels-only rows of the dispatched decode body, then the ``other_bodies`` on the same inputs
-    (q formats also "dp4a": 8-bit activations, its two quantization launches included)."""
+    (q formats also "dp4a": 8-bit activations, its two quantization launches included, or "gemv" where dp4a is
+    the dispatched body)."""
     gen = torch.Generator(device=device).manual_seed(1)
     d, i, e = shape["d"], shape["i"], shape["experts"]
     base_gu = torch.randn((e, 2 * i, d), generator=gen, device=device, dtype=torch.bfloat16) / d**0.5
@@ -166,7 +171,9 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
         for tokens in token_counts:
             sets, n_sets, m = _decode_inputs(shape, tokens, device, gen)
             used = sets[0][2].unique().numel()
-            ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn), n_inputs=n_sets, device=device)
+            int8 = moe.int8_activations_enabled(fmt)  # as moe.fused_moe dispatches
+            ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn, int8_activations=int8),
+                           n_inputs=n_sets, device=device)
             base = time_ms(lambda j: bf16_bmm_moe(sets[j][0], sets[j][2], sets[j][1], base_gu, base_dn, sets[j][3], m),
                            n_inputs=n_sets, device=device)
             body = _decode_body(fmt, tokens * shape["top_k"], e)
@@ -174,14 +181,11 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
             k_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
             nbytes = gu.packed_bytes(used) + dn.packed_bytes(used)
             case = f"{label} {fmt} decode T={tokens} ({used} experts)"
-            rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + kernels)"))
-            if fmt in ("q1_0", "q2_0") and "dp4a" in other_bodies:
-                ours8 = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn, int8_activations=True),
-                                n_inputs=n_sets, device=device)
-                rows.append(Row(case + ", int8 activations", ours8, base, nbytes, "bf16 bmm",
-                                "full op (routing + rotations + quantization + kernels)"))
+            rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + "
+                            + ("int8 quantization + " if int8 else "") + "kernels)"))
             rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm",
-                            f"two fused launches, {body.upper()} body"))
+                            f"two fused launches, {body.upper()} body" + (" (+ 2 quantization launches)" if body == "dp4a"
+                                                                          else "")))
             # the other decode bodies on the same inputs, for comparison
             decode_bodies = {"q2_0": ("mma", "gemv", "gemm", "dp4a"), "q1_0": ("gemv", "gemm", "dp4a")}.get(
                 fmt, ("gemv", "gemm"))
@@ -194,9 +198,11 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
 
 
 def _decode_body(fmt: str, num_pairs: int, num_experts: int) -> str:
-    """Which body moe.fused_moe_triton runs for bf16 activations: "mma", "gemv" or "gemm"."""
+    """Which body moe.fused_moe runs for bf16 activations: "dp4a", "mma", "gemv" or "gemm"."""
     if not moe.use_gemv(fmt, num_pairs, num_experts):
         return "gemm"
+    if moe.int8_activations_enabled(fmt):
+        return "dp4a"
     return "mma" if moe.use_mma(fmt, torch.bfloat16, num_pairs) else "gemv"
 
 
@@ -441,7 +447,7 @@ def check_dp4a(device) -> list[str]:
 
 # (K step, gate_up warps, down warps, gate_up rows, down rows): moe.dp4a_block_k, moe.dp4a_gate_up_options,
 # moe.dp4a_down_options, moe.GEMV_BLOCK_N, moe.gemv_down_block_n. The first is the setting the tree ships.
-DP4A_SWEEP = ((512, 2, 4, 16, 32), (256, 2, 4, 16, 32), (1024, 2, 4, 16, 32), (1024, 4, 8, 16, 32))
+DP4A_SWEEP = ((1024, 2, 4, 16, 32), (512, 2, 4, 16, 32), (256, 2, 4, 16, 32), (1024, 4, 8, 16, 32))
 
 
 def _dp4a_settings(config: tuple) -> None:
@@ -455,7 +461,8 @@ def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(
                label: str = "") -> tuple:
     """Kernel-only times of the integer-dot body at the deep shape (the two quantization launches included) for
     DP4A_SWEEP, each checked against the int8 reference on the first input set; at one token also each launch
-    alone. Leaves moe at the fastest setting (geometric mean) and returns it."""
+    alone. Returns the fastest setting (geometric mean) and leaves moe at the shipped one (the first), which the
+    rows after it measure."""
     gen = torch.Generator(device=device).manual_seed(11)
     d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
     saved = (moe.GEMV_BLOCK_N, moe.gemv_down_block_n)
@@ -670,7 +677,7 @@ def run(device: torch.device, copy_gbs: float):
     if os.environ.get("EXPERTS_DP4A") == "1":
         return run_dp4a(device, copy_gbs)
     gemv_checks = check_gemv(device)  # first: the GEMV sweep below times the body it checks
-    for line in gemv_checks + check_routing(device) + check_correctness(device) + check_mma(device):
+    for line in gemv_checks + check_dp4a(device) + check_routing(device) + check_correctness(device) + check_mma(device):
         print("correctness:", line, flush=True)
     if os.environ.get("EXPERTS_SWEEP_GEMV") == "1":
         sweep_gemv(device, copy_gbs)

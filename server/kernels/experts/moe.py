@@ -47,28 +47,40 @@ def _say_once(message: str) -> None:
 def fused_moe(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWeights) -> torch.Tensor:
     """x [T, D], topk_weights/topk_ids [T, top_k] -> y [T, D] in x's dtype."""
     check_moe_args(x, topk_weights, topk_ids, gate_up, down)
-    int8 = int8_activations_enabled(gate_up.format)
     if use_triton(x):
         if x.dtype not in _FAST_DTYPES:
             _say_once(f"quantized experts: no Triton body for activations of dtype {x.dtype}; using the reference")
         else:
             try:
-                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down, int8_activations=int8)
+                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down,
+                                        int8_activations=int8_activations_enabled(gate_up.format))
             except OutOfResources as exc:  # spec "Guards": slower but correct, said once, never silent
                 _say_once(f"quantized experts: {gate_up.format} kernel does not fit this GPU ({exc}); using the reference")
-    return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down, int8_activations=int8)
+    return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down,
+                               int8_activations=int8_activations_enabled(gate_up.format, reference=True))
 
 
-# TURBOSERVE_INT8_EXPERT_ACTIVATIONS=1: q1_0/q2_0 experts multiply activations rounded to int8 per 32 values
-# (int8_activations.py). On the GPU only the GEMV regime (decode) takes it, through the integer-dot body
-# (moe_dp4a.py); the reference, which the CPU runs, rounds every token's activations, so CPU perplexity with it
-# measures the mode's quality cost on all tokens. Opt-in: it changes the op's numerics.
-INT8_ACTIVATIONS = os.environ.get("TURBOSERVE_INT8_EXPERT_ACTIVATIONS", "0") == "1"
+# 8-bit activations for q1_0/q2_0 experts (int8_activations.py, moe_dp4a.py). H200, D=6144 I=2048 E=64 top-8,
+# kernels only (HN block of 07:13 UTC): q2_0 one token 61.6 -> 34.7 us (32 -> 58 % of copy), 8 tokens 400 -> 180 us
+# (40 -> 89 %); q1_0 63.3 -> 28.7 and 408 -> 136 us. Quality (CPU, SmolLM2-135M with q2_0 MLPs, 4 x 2048 tokens):
+# perplexity 2289.95 -> 2295.08 (+0.2 %). So the GPU decode bodies take it by default; the reference (which the CPU
+# runs, and the GPU for prefill-sized calls through the GEMM body) stays unrounded unless asked.
+# TURBOSERVE_INT8_EXPERT_ACTIVATIONS: unset = that default; "0" = never; "1" = also the reference, so that CPU
+# perplexity measures the rounding on every token.
+def int8_settings(env: str | None) -> tuple[bool, bool]:
+    """(GPU decode bodies, reference) take int8 activations, for a value of TURBOSERVE_INT8_EXPERT_ACTIVATIONS."""
+    if env not in (None, "0", "1"):
+        raise ValueError(f"TURBOSERVE_INT8_EXPERT_ACTIVATIONS must be unset, 0 or 1, got {env!r}")
+    return env != "0", env == "1"
 
 
-def int8_activations_enabled(fmt: str) -> bool:
-    """Whether experts in ``fmt`` take 8-bit activations (INT8_ACTIVATIONS; q1_0/q2_0 only)."""
-    return INT8_ACTIVATIONS and fmt in ("q1_0", "q2_0")
+int8_decode, int8_reference = int8_settings(os.environ.get("TURBOSERVE_INT8_EXPERT_ACTIVATIONS"))
+
+
+def int8_activations_enabled(fmt: str, reference: bool = False) -> bool:
+    """Whether experts in ``fmt`` multiply int8-rounded activations: in the GPU decode bodies (int8_decode) or, with
+    ``reference``, in the reference (int8_reference); q1_0/q2_0 only."""
+    return fmt in ("q1_0", "q2_0") and (int8_reference if reference else int8_decode)
 
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
@@ -208,9 +220,12 @@ def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
         )
 
 
-# Launch settings of the integer-dot body, module-level so benchmark sweeps set them: inputs per K step (a
-# program's bytes in flight: its next step's codes), and warps of the gate_up / down programs.
-dp4a_block_k = 512
+# Launch settings of the integer-dot body, module-level so benchmark sweeps set them (bench/kernels_experts.sweep_dp4a):
+# inputs per K step (a program's bytes in flight: its next step's codes), and warps of the gate_up / down programs.
+# H200 sweep (HN block, 07:13 UTC), kernels only, q2_0 / q1_0 at 1 and 8 tokens: a K step of 1024 beat 512 and 256
+# everywhere (q2_0 34.7 / 37.5 / 46.7 us at one token, 180 / 193 / 295 us at 8; q1_0 28.7 / 34.1 / 39.5 and
+# 136 / 166 / 196 us); 4-warp gate_up and 8-warp down programs lost (40.6 us, 195 us).
+dp4a_block_k = 1024
 dp4a_gate_up_options = {"num_warps": 2}
 dp4a_down_options = {"num_warps": 4}
 

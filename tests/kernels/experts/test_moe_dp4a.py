@@ -152,7 +152,7 @@ def test_dp4a_body_reads_every_code_it_is_given(fmt):
         proj.tensors["codes"].copy_(saved)
 
 
-def test_int8_mode_takes_the_dp4a_body_at_decode_only_and_the_int8_reference_on_cpu(monkeypatch):
+def test_int8_mode_takes_the_dp4a_body_at_decode_only_and_the_reference_only_when_asked(monkeypatch):
     calls = []
     monkeypatch.setattr(moe, "launch_expert_dp4a", lambda *a, **k: calls.append("dp4a"))
     monkeypatch.setattr(moe, "launch_expert_gemv", lambda *a, **k: calls.append("gemv"))
@@ -162,10 +162,15 @@ def test_int8_mode_takes_the_dp4a_body_at_decode_only_and_the_int8_reference_on_
     moe.fused_moe_triton(x, w, ids, gu, dn)
     moe.fused_moe_triton(x, w, ids, gu, dn, block_m=moe.DECODE_BLOCK_M, int8_activations=True)
     assert calls == ["dp4a", "dp4a", "gemv", "gemv", "gemm", "gemm"]
-    monkeypatch.setattr(moe, "INT8_ACTIVATIONS", True)
-    assert moe.int8_activations_enabled("q1_0") and not moe.int8_activations_enabled("e8p")
-    monkeypatch.undo()
-    monkeypatch.setattr(moe, "INT8_ACTIVATIONS", True)
-    assert torch.equal(moe.fused_moe(x, w, ids, gu, dn), fused_moe_reference(x, w, ids, gu, dn, int8_activations=True))
-    monkeypatch.setattr(moe, "INT8_ACTIVATIONS", False)
+    # unset: the GPU decode bodies take int8 activations for q formats, the reference does not; 0: none; 1: both
+    assert moe.int8_settings(None) == (True, False)
+    assert moe.int8_settings("0") == (False, False) and moe.int8_settings("1") == (True, True)
+    with pytest.raises(ValueError, match="unset, 0 or 1"):
+        moe.int8_settings("yes")
+    monkeypatch.setattr(moe, "int8_decode", True)
+    monkeypatch.setattr(moe, "int8_reference", False)
+    assert moe.int8_activations_enabled("q1_0") and moe.int8_activations_enabled("q2_0")
+    assert not moe.int8_activations_enabled("e8p") and not moe.int8_activations_enabled("q2_0", reference=True)
     assert torch.equal(moe.fused_moe(x, w, ids, gu, dn), fused_moe_reference(x, w, ids, gu, dn))
+    monkeypatch.setattr(moe, "int8_reference", True)
+    assert torch.equal(moe.fused_moe(x, w, ids, gu, dn), fused_moe_reference(x, w, ids, gu, dn, int8_activations=True))
