@@ -9,7 +9,8 @@ shapes specializes them (without it the loads are not vectorized). The GEMV body
 settings (rows per program, warps); its "16-byte loads" column counts the LDG.128 of a thread in one K step.
 Counts depend on the Triton version: count with the GPU machine's 3.6.0 (bench/turbo_sass.py says how to
 install it beside the venv: `PYTHONPATH=/tmp/t36 python bench/sass_experts.py`). This counts work, not time;
-speed comes only from `python bench/kernels.py experts` on the GPU.
+speed comes only from `python bench/kernels.py experts` on the GPU. `--dp4a` counts the integer-dot body of q1_0/q2_0
+(moe_dp4a.py) instead, at K steps of 256, 512 and 1024, with its dp4a (IDP) and shared-memory instructions.
 """
 
 from __future__ import annotations

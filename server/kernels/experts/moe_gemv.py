@@ -21,6 +21,9 @@ float32 error stays within a small factor (at most 8) of a plain dot product's; 
 accumulator per E8 code position (a code's 8 products are summed in the thread that decoded it) or
 per q block and row it owns.
 
+q1_0/q2_0 decode runs the integer-dot body on 8-bit activations by default (moe_dp4a.py, which shares this
+body's tile rows and epilogue); this body serves them with TURBOSERVE_INT8_EXPERT_ACTIVATIONS=0.
+
 Activations of any float dtype are converted to float32 as they are loaded, and the loads of each
 K step are issued one step ahead (`_gemv_rows`): no conversion or summing launches run before the
 kernel, and a program keeps weight bytes in flight while it computes.
