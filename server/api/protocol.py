@@ -8,7 +8,7 @@ biases...) are refused, since ignoring them would return something other than wh
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,6 +17,8 @@ from server.runtime.sequence import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 CHAT_ROLES = ("system", "user", "assistant")
+# OpenAI's newer name for the system role ("developer messages replace system messages").
+ROLE_ALIASES = {"developer": "system"}
 
 # Features this server does not implement and whose silent omission would change the reply the client
 # relies on (JSON mode, tool calls, biased tokens): refused with a 400, not ignored like unknown fields.
@@ -50,25 +52,22 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Body):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | None = None
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
+        role = ROLE_ALIASES.get(role, role)
         if role not in CHAT_ROLES:
-            raise ValueError(f"unknown role; expected one of {', '.join(CHAT_ROLES)}")
+            raise ValueError(f"unknown role; expected one of {', '.join(CHAT_ROLES)} (or developer)")
         return role
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
+        """OpenAI's list of text parts joins into one string (no union, so errors name `content`)."""
         if content is None or isinstance(content, str):
             return content
         if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
@@ -76,11 +75,11 @@ class ChatMessage(_Body):
         for part in content:
             if part.get("type") != "text":
                 raise ValueError(f"only text parts are supported, not {part.get('type')!r}")
-        return content
+            if not isinstance(part.get("text"), str):
+                raise ValueError("every text part needs a 'text' string")
+        return "".join(part["text"] for part in content)
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -107,6 +106,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -38,6 +38,16 @@ def test_text_parts_render_like_a_plain_string(client, greedy_reply):
     assert reply.usage == greedy_reply.usage
 
 
+def test_developer_role_is_the_system_role(client):
+    def reply(role):
+        messages = [{"role": role, "content": "Answer in French."}, *QUESTION]
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+
+    as_developer, as_system = reply("developer"), reply("system")
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage == as_system.usage
+
+
 def test_max_tokens_cuts_with_finish_reason_length(client):
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length"
