@@ -20,6 +20,18 @@ from server.metrics.process import package_version
 from server.metrics.requests import RequestMetrics
 
 
+def check_json_content_type(request: Request) -> None:
+    """Bodies are JSON: a missing Content-Type is taken as JSON, any other type is refused (as FastAPI
+    does), so a web page cannot post here cross-site as a form or text/plain without a CORS preflight."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media_type = declared.partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise ApiError(415, f"Content-Type '{declared}' is not accepted; send the body as JSON with "
+                       "'Content-Type: application/json'.", code="unsupported_media_type")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes `limit` bytes (declared or sent)."""
     def too_large() -> ApiError:
@@ -58,6 +70,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
 
     async def read_request(request: Request, model: type[Body]) -> Body:
         try:
+            check_json_content_type(request)
             return parse_body(model, await read_body(request, ctx.max_body_bytes))
         except ApiError:
             # Refused before reaching the engine (which counts its own refusals at submit).

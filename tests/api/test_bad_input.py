@@ -103,6 +103,20 @@ def test_bad_input_gets_a_4xx_naming_the_field(api_server, endpoint, body, statu
     assert len(error["message"]) > 10
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_that_is_not_declared_json_is_refused(api_server, content_type):
+    # Browsers send these types cross-site without a CORS preflight; JSON must say it is JSON.
+    response = httpx.post(api_server.v1 + CHAT, content=json.dumps(chat()), headers={"Content-Type": content_type})
+    assert response.status_code == 415, response.text
+    assert response.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_json_with_a_charset_is_json(api_server):
+    response = httpx.post(api_server.v1 + CHAT, content=json.dumps(chat(temperature=0)), timeout=60,
+                          headers={"Content-Type": "application/json; charset=utf-8"})
+    assert response.status_code == 200, response.text
+
+
 def test_chunked_oversized_body_is_refused_without_a_length(api_server):
     def chunks():  # no Content-Length: the limit must hold while the body streams in
         yield b'{"messages": [{"role": "user", "content": "'
