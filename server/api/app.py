@@ -50,6 +50,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 Body = TypeVar("Body", bound=BaseModel)
+READ_METHODS = ["GET", "HEAD"]  # load balancers and uptime probes often send HEAD; uvicorn drops the body
 
 
 def parse_body(model: type[Body], raw: bytes) -> Body:
@@ -93,28 +94,28 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "turboserve",
                 "max_model_len": ctx.max_model_len}
 
-    @v1.get("/models")
+    @v1.api_route("/models", methods=READ_METHODS)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @v1.get("/models/{model:path}")
+    @v1.api_route("/models/{model:path}", methods=READ_METHODS)
     async def model(model: str):
         ctx.check_model(model)
         return model_card()
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health():
         if engine.is_alive():
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable", "reason": "the engine loop is not running"}, status_code=503)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=READ_METHODS)
     async def version_route():
         return {"version": version}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def metrics():
         body, content_type = exposition()
         return Response(body, media_type=content_type)

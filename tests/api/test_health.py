@@ -38,3 +38,11 @@ def test_health_version_and_models_when_alive(api_server):
     assert httpx.get(api_server.v1 + "/models/SmolLM2-135M-Instruct").json() == models["data"][0]
     missing = httpx.get(api_server.v1 + "/models/gpt-4o")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_head_answers_like_get_without_a_body(api_server):
+    # Load balancers and uptime probes often check with HEAD.
+    for url in (api_server.base_url + "/health", api_server.base_url + "/version", api_server.base_url + "/metrics",
+                api_server.v1 + "/models"):
+        response = httpx.head(url)
+        assert response.status_code == 200 and response.content == b"", url
