@@ -24,7 +24,9 @@ import os
 import re
 import sys
 
-from server.config import KV_CACHE_DTYPES, KV_KEY_OFFSETS, MODEL_DTYPES, EngineConfig, ServerConfig
+from server.config import (
+    DEFAULT_KV_KEY_OFFSET, KV_CACHE_DTYPES, KV_KEY_OFFSETS, MODEL_DTYPES, EngineConfig, ServerConfig,
+)  # fmt: skip
 
 # (subcommand, module that defines it, the parsers its register() receives)
 EXTERNAL_COMMANDS = (
@@ -86,12 +88,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                  help="K storage (default: --kv-cache-dtype)")
     add_argument(parser, "--kv-cache-dtype-v", default=None, choices=KV_CACHE_DTYPES,
                  help="V storage (default: --kv-cache-dtype)")
-    add_argument(parser, "--kv-key-offset", default="fixed", choices=KV_KEY_OFFSETS,
+    add_argument(parser, "--kv-key-offset", default=DEFAULT_KV_KEY_OFFSET, choices=KV_KEY_OFFSETS,
                  help="what turbo K pages subtract: the mean key (fixed), the mean turned by RoPE to each key's "
                       "position (turned: better quality, slower decode attention), turned on only the "
                       "--kv-key-turned-pairs pairs that gain most and fixed on the rest (partial), nothing (none)")
-    add_argument(parser, "--kv-key-turned-pairs", type=int, default=8,
-                 help="with --kv-key-offset partial: RoPE pairs per KV head that turn, 1 .. head_dim / 2")
+    add_argument(parser, "--kv-key-turned-pairs", type=int, default=None,
+                 help="with --kv-key-offset partial: RoPE pairs per KV head that turn, 1 .. head_dim / 2 "
+                      "(default 8, or all of a smaller head's)")
     add_argument(parser, "--kv-cache-memory", type=parse_size, default=None,
                  help="bytes for the KV page pool, e.g. 2GiB or 512MiB (default: a share of free memory)")
     add_argument(parser, "--page-size", type=int, default=16, help="tokens per KV page")

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "turbo2", "turbo3", "turbo4")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_KEY_OFFSETS = ("fixed", "partial", "turned", "none")  # what a turbo K store subtracts (runtime/kv_calibration.py)
+# partial on 8 pairs: turbo3 perplexity +6.9 % (fixed +15.3 %) and decode at 64K still above bf16's
+# (docs/BENCHMARKS.md "Quality", "TurboQuant decode with a partial key offset")
+DEFAULT_KV_KEY_OFFSET = "partial"
+DEFAULT_KV_KEY_TURNED_PAIRS = 8  # partial's rotate-half pairs per KV head (all of them in heads with fewer)
 
 
 @dataclass(frozen=True)
@@ -21,8 +25,8 @@ class EngineConfig:
     kv_cache_dtype_k: str | None = None
     kv_cache_dtype_v: str | None = None
     kv_cache_memory: int | None = None  # bytes for the page pool; None: a fraction of free memory
-    kv_key_offset: str = "fixed"  # one of KV_KEY_OFFSETS
-    kv_key_turned_pairs: int = 8  # partial: rotate-half pairs per KV head that turn with RoPE (1 .. head_dim / 2)
+    kv_key_offset: str = DEFAULT_KV_KEY_OFFSET  # one of KV_KEY_OFFSETS
+    kv_key_turned_pairs: int | None = None  # partial: pairs per KV head that turn (None: DEFAULT_KV_KEY_TURNED_PAIRS)
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64  # sequences running at once

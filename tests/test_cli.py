@@ -36,7 +36,7 @@ def test_serve_flags_default_from_the_environment_and_the_command_line_wins(monk
     assert args.api_key == "k" and args.kv_cache_dtype == "turbo3"
     config = cli.engine_config_from_args(args)
     assert config.kv_cache_memory == 2**30 and config.kv_cache_dtype == "turbo3" and config.enforce_eager
-    assert config.kv_key_offset == "fixed"
+    assert config.kv_key_offset == "partial" and config.kv_key_turned_pairs is None  # 8, or all of a smaller head
     turned = cli.engine_config_from_args(cli.build_parser().parse_args(["serve", "--kv-key-offset", "turned"]))
     assert turned.kv_key_offset == "turned"
     partial = cli.engine_config_from_args(cli.build_parser().parse_args(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from server.config import EngineConfig
+from server.config import DEFAULT_KV_KEY_OFFSET, EngineConfig
 from server.kernels import backend, timing
 from server.metrics import EngineMetrics
 from server.runtime.detokenizer import IncrementalDetokenizer
@@ -112,7 +112,7 @@ class Engine:
         if k_kind in TURBO_KV_KINDS and config.kv_key_offset != "none":  # keys lose their shared direction first
             calibrate_key_offsets(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                                   self.device, dtype, self.max_model_len, key_pairs)
-        elif k_kind not in TURBO_KV_KINDS and config.kv_key_offset != "fixed":
+        elif k_kind not in TURBO_KV_KINDS and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)
         self.scheduler = Scheduler(config, self.kv_cache)

@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from server.config import DEFAULT_KV_KEY_TURNED_PAIRS
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.key_offset import KeyOffset, pair_mask, rope_turn
 
@@ -73,9 +74,11 @@ class _KeyRecorder:
         return self.store.attend(q, meta, scale)
 
 
-def turned_pairs(kind: str, partial_pairs: int, head_dim: int) -> int:
+def turned_pairs(kind: str, partial_pairs: int | None, head_dim: int) -> int:
     """The rotate-half pairs per KV head that ``--kv-key-offset kind`` turns: fixed 0, turned all D/2, partial
-    ``--kv-key-turned-pairs``."""
+    ``--kv-key-turned-pairs`` (None: DEFAULT_KV_KEY_TURNED_PAIRS, at most D/2)."""
+    if partial_pairs is None:
+        partial_pairs = min(DEFAULT_KV_KEY_TURNED_PAIRS, head_dim // 2)
     if kind == "partial" and not 1 <= partial_pairs <= head_dim // 2:
         raise ValueError(f"--kv-key-turned-pairs must be in 1 .. {head_dim // 2} (head_dim / 2 of this model) with "
                          f"--kv-key-offset partial, got {partial_pairs}; use fixed for none, turned for all")

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 from runtime_toy import ToyConfig, ToyLoaded, ToyModel, make_engine
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.store import TurboKVStore
-from server.runtime.kv_calibration import CALIBRATION_TEXT, key_offsets, turned_pair_gains
+from server.runtime.kv_calibration import CALIBRATION_TEXT, key_offsets, turned_pair_gains, turned_pairs
 from server.runtime.models import llama
 from server.runtime.models.config import ModelConfig
 from server.runtime.sequence import SamplingParams
@@ -131,13 +131,14 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
     loaded = ToyLoaded(model=ToyModel(CONFIG, seed=3), config=CONFIG)
     engines = [make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype=kind) for kind in ("turbo3", "f32")]
     try:
-        turbo, dense = engines  # --kv-key-offset fixed, the default
+        turbo, dense = engines  # --kv-key-offset partial --kv-key-turned-pairs 8, the default
         ids = list(CALIBRATION_TEXT.encode())[:128]  # the byte tokenizer, cut at max_model_len
         args = (loaded.model, ids, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, torch.device("cpu"),
                 torch.float32)
-        for store, o in zip(turbo.kv_cache.stores, key_offsets(*args, 0)):
-            assert isinstance(store, TurboKVStore) and not store.offset_turns
-            assert torch.equal(store.key_offset.const, o.const) and torch.equal(store.key_offset.sink, o.sink)
+        for store, o in zip(turbo.kv_cache.stores, key_offsets(*args, 8, context=128)):  # max_model_len
+            assert isinstance(store, TurboKVStore) and store.offset_turns
+            assert store.key_offset.pairs.shape == (CONFIG.num_kv_heads, 8)
+            assert all(torch.equal(getattr(store.key_offset, n), getattr(o, n)) for n in ("const", "mean", "pairs"))
         assert all(not hasattr(s, "key_offset") for s in dense.kv_cache.stores)
         turned = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
                              kv_cache_dtype_v="turbo2", kv_key_offset="turned")
@@ -148,14 +149,13 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
             assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
             assert store.offset_turns, "the sink at position 0 differs from the mean: the offset turns"
         assert all(s.key_offset is None for s in none.kv_cache.stores), "none: the spec's plain format"
-        partial = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3",
-                              kv_key_offset="partial", kv_key_turned_pairs=5)
-        engines.append(partial)
-        assert build_info(partial.model_name)["kv_key_offset"] == "partial"
-        for store, o in zip(partial.kv_cache.stores, key_offsets(*args, 5, context=128)):  # max_model_len
-            assert store.key_offset.pairs.shape == (CONFIG.num_kv_heads, 5) and store.offset_turns
-            assert all(torch.equal(getattr(store.key_offset, n), getattr(o, n)) for n in ("const", "mean", "pairs"))
-        for engine in (turbo, turned, none, partial):
+        fixed = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="fixed",
+                            kv_key_turned_pairs=5)  # the pair count applies to partial only
+        engines.append(fixed)
+        for store, o in zip(fixed.kv_cache.stores, key_offsets(*args, 0)):
+            assert not store.offset_turns and store.key_offset.pairs.shape == (CONFIG.num_kv_heads, 0)
+            assert torch.equal(store.key_offset.const, o.const) and torch.equal(store.key_offset.sink, o.sink)
+        for engine in (turbo, turned, none, fixed):
             out = engine.generate(list(b"hello there"), SamplingParams(max_tokens=4, temperature=0.0))
             assert out.finish_reason == "length" and len(out.token_ids) == 4
     finally:
@@ -202,3 +202,9 @@ def test_pair_gains_over_a_longer_context_count_the_pairs_too_slow_to_turn_in_th
                          4 * (1 - kept(fast, 10000)) - 0.25 * (1 - kept(fast, 100))], dtype=torch.float64)
     assert torch.allclose(long[0], want, rtol=1e-4), (long, want)
     assert long[0, 0] > 5, "the slow pair must gain over a long context"
+
+
+def test_the_turned_pair_count_of_each_offset_kind():
+    assert [turned_pairs(kind, None, 128) for kind in ("fixed", "partial", "turned", "none")] == [0, 8, 64, 0]
+    assert turned_pairs("partial", None, 8) == 4, "the default turns all pairs of a head with fewer than 8"
+    assert turned_pairs("partial", 3, 64) == 3 and turned_pairs("fixed", 5, 64) == 0

@@ -35,7 +35,7 @@ def greedy(loaded, kv_cache_dtype: str, max_tokens: int, **overrides) -> tuple[s
         engine.shutdown()
 
 
-@pytest.mark.parametrize("key_offset", ["fixed", "turned"])
+@pytest.mark.parametrize("key_offset", ["fixed", "partial", "turned"])
 def test_turbo4_greedy_matches_bf16_kv_for_the_first_tokens(loaded, key_offset):
     dense_text, dense_ids, _ = greedy(loaded, "bf16", 8)
     text, ids, _ = greedy(loaded, "turbo4", 8, kv_key_offset=key_offset)
