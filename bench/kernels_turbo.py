@@ -9,8 +9,9 @@
    turbo3 and turbo4 (both kernels: split-K decode + merge with the inverse rotation) against
    F.scaled_dot_product_attention on contiguous bf16 K/V (the 4 query heads of a KV head as 4
    query rows, so SDPA reads each KV head once, as ours does). Bandwidth counts the compressed
-   K/V bytes. Each shape also runs with a key offset like the engine's (engine_key_offset: the
-   engine's configuration), so the cost of the score term <q, o(p)> is the difference of the two rows.
+   K/V bytes. Each shape also runs with a key offset like the engine's default (engine_key_offset, partial on
+   ENGINE_TURNED_PAIRS pairs per KV head), so the cost of the score term <q, o(p)> is the difference of the
+   two rows.
    A small sweep of the decode kernel's tile/warp/register/column-order settings at batch 8
    and batch 1, 64K comes first; the table rows run the kernel's defaults.
 3. Rotation and store kernels against the device copy bandwidth (the store through slots as an engine
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import Row, rotation_count, time_ms
+from server.config import DEFAULT_KV_KEY_TURNED_PAIRS
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate_reference, rotate_triton
 from server.kernels.turbo import attention
@@ -51,6 +53,7 @@ CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
 ]
 LONG_OFFSET_CASE = (128, 4, "turbo3", "turbo3", [131072, 70001, 3])  # angles up to 1.3e5 rad, with the offset only
 ROTATION_ROWS, STORE_TOKENS = 1 << 19, 32768
+ENGINE_TURNED_PAIRS = DEFAULT_KV_KEY_TURNED_PAIRS  # the engine's default key offset: partial on 8 pairs
 
 
 def _meta(seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
@@ -168,7 +171,8 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: b
     key offset (its score term) when ``key_offset``."""
     store, metas, qs, turbo_bytes = random_decode_inputs(batch, ctx, Q_HEADS, kind, device)
     if key_offset:
-        store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2)))
+        store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2),
+                                               turned_pairs=ENGINE_TURNED_PAIRS))
     n_inputs = len(qs)
     scale = HEAD_DIM**-0.5
 
@@ -186,7 +190,8 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: b
         note += "" if max_registers is None else f", <= {max_registers} registers"
         note += "" if num_stages is None else f", {num_stages} stages"
         note += "" if column_order else ", natural column order"
-        case = f"decode {kind} b{batch} ctx{ctx // 1024}K" + (", key offset" if key_offset else "")
+        case = f"decode {kind} b{batch} ctx{ctx // 1024}K" + (
+            f", key offset partial{ENGINE_TURNED_PAIRS}" if key_offset else "")
         rows.append(Row(case, ms, bytes_moved=turbo_bytes, note=note))
     return rows
 

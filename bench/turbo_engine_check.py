@@ -27,9 +27,9 @@ from server.runtime.models.loader import load_model  # noqa: E402
 from server.runtime.sequence import SamplingParams  # noqa: E402
 
 PROMPTS = ["What is the capital of Japan?", "What is 2 + 2?", "Who wrote Hamlet?"]
-KINDS = [("bf16", "bf16", "fixed"), ("turbo4", "turbo4", "fixed"), ("turbo4", "turbo4", "turned"),
-         ("turbo3", "turbo3", "fixed"), ("turbo3", "turbo3", "turned"), ("turbo4", "turbo3", "fixed"),
-         ("turbo2", "turbo2", "turned")]
+KINDS = [("bf16", "bf16", "fixed"), ("turbo4", "turbo4", "fixed"), ("turbo4", "turbo4", "partial"),
+         ("turbo4", "turbo4", "turned"), ("turbo3", "turbo3", "fixed"), ("turbo3", "turbo3", "partial"),
+         ("turbo3", "turbo3", "turned"), ("turbo4", "turbo3", "partial"), ("turbo2", "turbo2", "turned")]
 NEW_TOKENS = 24
 
 
