@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
 import time
 
 import httpx
@@ -63,3 +65,28 @@ def test_client_timeout_on_a_non_streamed_request_frees_every_page(api_server):
         pass
     wait_for_free_pages(api_server, timeout_s=5)
     assert time.monotonic() - started < 8
+
+
+def test_a_huge_prompt_being_tokenized_does_not_stall_other_requests(api_server):
+    # ~1 MB of text is seconds of tokenizer work; it runs in a worker thread, which helps only if the
+    # tokenizer lets go of the GIL meanwhile (else /health and every stream wait for it).
+    words = random.Random(7).choices(["alpha", "beta", "gamma", "delta", "epsilon", "zeta"], k=160_000)
+    body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 1}
+    outcome = {}
+
+    def send_huge_prompt():
+        started = time.monotonic()
+        outcome["status"] = httpx.post(api_server.v1 + "/completions", json=body, timeout=120).status_code
+        outcome["seconds"] = time.monotonic() - started
+
+    sender = threading.Thread(target=send_huge_prompt)
+    sender.start()
+    waits = []
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(api_server.base_url + "/health", timeout=120).status_code == 200
+        waits.append(time.monotonic() - started)
+        time.sleep(0.02)
+    sender.join()
+    assert outcome["status"] == 400  # far beyond the context, which is known only once tokenized
+    assert max(waits) < 0.5 * outcome["seconds"], f"/health waited {max(waits):.2f} s of {outcome['seconds']:.2f} s"

@@ -96,7 +96,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Adds BOS only when the model asks for it and the text does not start with it
         (chat templates often write BOS themselves)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL and encode does not: a megabyte prompt (seconds of work) must not
+        # stall the server's event loop, which tokenizes in a worker thread.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
