@@ -17,12 +17,13 @@ from triton.runtime.errors import OutOfResources
 from server.kernels import pdl
 from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p
-from server.kernels.experts.int8_activations import GROUP as INT8_GROUP, quantize_triton as quantize_int8
-from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
-from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
+from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
+from server.kernels.experts.int8_activations import quantize_triton as quantize_int8
 from server.kernels.experts.moe_dp4a import _expert_dp4a
 from server.kernels.experts.moe_gemv import E8_FIELD_MASK, _expert_gemv
 from server.kernels.experts.moe_mma import _expert_mma, tile_order
+from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
+from server.kernels.experts.moe_triton import FORMAT_IDS, K_UNIT, _expert_gemm
 from server.kernels.experts.routing import ExpertBlocks, align_pairs, single_pair_blocks
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.timing import timed
@@ -204,7 +205,7 @@ def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
                        dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
     """As launch_expert_gemv for q1_0/q2_0 on activations from int8_activations.quantize_triton (act [rows,
     PLANES, K/32] int32) through integer dot products (moe_dp4a.py)."""
-    num_e, rows, k = w.shape
+    _, rows, k = w.shape
     n = rows // 2 if dual else rows
     codes, d = w.tensors["codes"], w.tensors["d"]
     block_k = max(K_UNIT[w.format], min(dp4a_block_k, triton.next_power_of_2(k)))
