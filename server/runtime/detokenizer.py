@@ -42,7 +42,9 @@ class IncrementalDetokenizer:
             return ""
         baseline = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         decoded = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        self.text += decoded[len(baseline) :]  # an incomplete character is shown as U+FFFD now
+        # A character cut off by the end (max_tokens) is dropped, as vLLM does, rather than sent as U+FFFD;
+        # its bytes stay in the logprobs' `bytes`.
+        self.text += decoded[len(baseline) :].rstrip(REPLACEMENT_CHAR)
         out = self.text[self.released :]
         self.released = len(self.text)
         return out

@@ -129,17 +129,27 @@ def test_logprobs_have_openai_shape_and_agree_with_greedy_choice(client, greedy_
         assert entry.bytes == list(entry.token.encode())
 
 
+JAPANESE = dict(model=MODEL, messages=[{"role": "user", "content": "Translate to Japanese: Japan"}], max_tokens=8,
+                temperature=0)
+
+
 def test_logprob_bytes_rebuild_characters_split_across_tokens(client):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Translate to Japanese: Japan"}], max_tokens=8,
-        temperature=0, logprobs=True)
+    reply = client.chat.completions.create(**JAPANESE, logprobs=True)
     content = reply.choices[0].logprobs.content
-    # A character cut by max_tokens ends the text as U+FFFD; errors="ignore" drops it from the bytes.
-    rebuilt = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="ignore")
-    assert rebuilt.removesuffix("<|im_end|>") == reply.choices[0].message.content.removesuffix("\ufffd")
+    raw = b"".join(bytes(e.bytes) for e in content)
+    # max_tokens cuts the last character: its bytes are in the logprobs, the text drops it (no U+FFFD).
+    assert raw.decode("utf-8", errors="ignore") == reply.choices[0].message.content
+    assert raw.decode("utf-8", errors="replace").endswith("\ufffd"), "max_tokens no longer cuts a character"
     assert not reply.choices[0].message.content.isascii()
     assert any(not bytes(e.bytes).decode("utf-8", errors="ignore") == e.token for e in content), \
         "no token split a character: the prompt no longer exercises partial-UTF-8 bytes"
+
+
+def test_stream_never_sends_half_a_character(client):
+    whole = client.chat.completions.create(**JAPANESE).choices[0].message.content
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**JAPANESE, stream=True)]
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert "".join(deltas) == whole and not whole.isascii()
 
 
 def test_no_logprobs_unless_asked(greedy_reply):

@@ -57,8 +57,15 @@ def test_stop_string_in_the_prompt_does_not_stop_the_output():
     assert "".join(released) + detok.finish() == "fine" and not detok.stopped
 
 
-def test_invalid_bytes_at_the_end_are_flushed_as_replacement_characters():
+def test_a_character_cut_off_at_the_end_is_dropped_not_sent_as_a_replacement_character():
     detok = IncrementalDetokenizer(TOKENIZER, [], [], False)
     assert detok.add_token(ord("a")) == "a"
     assert detok.add_token(0xE6) == ""  # first byte of a 3-byte character: wait
-    assert detok.finish() == "\ufffd"
+    assert detok.add_token(0x97) == ""  # second byte
+    assert detok.finish() == ""  # the sequence ended before the third
+
+
+def test_invalid_bytes_inside_the_text_still_show_as_replacement_characters():
+    detok = IncrementalDetokenizer(TOKENIZER, [], [], False)
+    released = [detok.add_token(t) for t in b"a\xffb"]  # 0xFF is never valid UTF-8
+    assert "".join(released) + detok.finish() == "a\ufffdb"
