@@ -16,6 +16,11 @@ from server.api.errors import ApiError
 from server.runtime.sequence import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+# The sampler works in float32: logits divided by a temperature below ~1e-37 overflow to inf (NaN
+# probabilities), so, as vLLM does, a temperature below 1e-5 means greedy. A top_p below float32's
+# smallest normal rounds to 0 there and drops every token; at that value it keeps only the best one.
+GREEDY_BELOW = 1e-5
+FLOAT32_TINY = 2.0**-126
 CHAT_ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role ("developer messages replace system messages").
 ROLE_ALIASES = {"developer": "system"}
@@ -150,7 +155,8 @@ class _SamplingFields(_Body):
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """Params of the index-th of the n sequences (seed + index, so the n differ yet repeat)."""
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=max_tokens, temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
+            top_p=max(self.top_p, FLOAT32_TINY), top_k=self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             seed=None if self.seed is None else self.seed + index, stop=list(self.stop or []),

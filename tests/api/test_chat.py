@@ -48,6 +48,13 @@ def test_developer_role_is_the_system_role(client):
     assert as_developer.usage == as_system.usage
 
 
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-300, seed=3)])
+def test_vanishing_temperature_or_top_p_picks_the_best_token(client, extreme):
+    # Past float32's range these made NaN probabilities in the sampler, which then emitted token 0.
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **extreme)
+    assert reply.choices[0].message.content == "The capital of France"
+
+
 def test_max_tokens_cuts_with_finish_reason_length(client):
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length"
