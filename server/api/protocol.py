@@ -21,6 +21,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # smallest normal rounds to 0 there and drops every token; at that value it keeps only the best one.
 GREEDY_BELOW = 1e-5
 FLOAT32_TINY = 2.0**-126
+# A repetition penalty past 1e20 either way overflows float32 logits too (inf, or 0 x inf = NaN); at
+# 1e20 a seen token already wins (or loses) against any unseen one, so clamping there changes nothing else.
+REPETITION_LIMIT = 1e20
 CHAT_ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role ("developer messages replace system messages").
 ROLE_ALIASES = {"developer": "system"}
@@ -158,7 +161,7 @@ class _SamplingFields(_Body):
             max_tokens=max_tokens, temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
             top_p=max(self.top_p, FLOAT32_TINY), top_k=self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=min(max(self.repetition_penalty, 1 / REPETITION_LIMIT), REPETITION_LIMIT),
             seed=None if self.seed is None else self.seed + index, stop=list(self.stop or []),
             ignore_eos=self.ignore_eos, logprobs=logprobs)
 

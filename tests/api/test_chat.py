@@ -55,6 +55,16 @@ def test_vanishing_temperature_or_top_p_picks_the_best_token(client, extreme):
     assert reply.choices[0].message.content == "The capital of France"
 
 
+@pytest.mark.parametrize("penalty", [1e-20, 1e20])
+def test_a_repetition_penalty_beyond_float32_acts_like_the_largest_finite_one(client, penalty):
+    def reply(repetition_penalty):
+        return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0.7, seed=5,
+                                              extra_body={"repetition_penalty": repetition_penalty})
+
+    extreme = reply(penalty * penalty).choices[0]
+    assert extreme.message.content and extreme.message.content == reply(penalty).choices[0].message.content
+
+
 def test_max_tokens_cuts_with_finish_reason_length(client):
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length"
