@@ -16,6 +16,9 @@ from server.api.errors import ApiError
 from server.runtime.sequence import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+# Every stop string is searched for in every sequence after every token, on the engine thread that all
+# requests share: 100k of them with n=64 held a 4-token request of someone else for 20 s. OpenAI allows 4.
+MAX_STOP_STRINGS = 64
 # The sampler works in float32: logits divided by a temperature below ~1e-37 overflow to inf (NaN
 # probabilities), so, as vLLM does, a temperature below 1e-5 means greedy. A top_p below float32's
 # smallest normal rounds to 0 there and drops every token; at that value it keeps only the best one.
@@ -133,6 +136,8 @@ class _SamplingFields(_Body):
             stop = [stop]
         if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if stop is not None and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
         return stop
 
     @model_validator(mode="after")

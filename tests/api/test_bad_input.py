@@ -56,6 +56,7 @@ CASES = [
     ("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
     ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     ("stop-empty-string", CHAT, chat(stop=[""]), 400, "stop", "invalid_value"),
+    ("stop-65-strings", CHAT, chat(stop=[f"stop{i}" for i in range(65)]), 400, "stop", "invalid_value"),
     ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400,
      "stream_options", "invalid_value"),
     ("beyond-context", CHAT, chat(max_tokens=MAX_MODEL_LEN), 400, "max_tokens", None),
