@@ -11,7 +11,7 @@ checkpoint, tokenizer file, gguf or fastapi is needed. Per shape it measures:
 - with --transformers, transformers' generate() with its compiled static cache on the same shape,
   timed the same way (compile time excluded by a warm-up run).
 --context-depth adds decode at long contexts (and per --kv-cache-dtype, e.g. bf16,turbo4,turbo3, and for turbo
-dtypes per --kv-key-offset, e.g. fixed,turned)
+dtypes per --kv-key-offset, e.g. partial,fixed,turned)
 on the shape the TurboQuant issue names.
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import (  # noqa: E402
     BENCHMARKS_DOC, command_line, copy_bandwidth_gbs, dated_heading, environment_line, record,
 )
-from server.config import EngineConfig  # noqa: E402
+from server.config import DEFAULT_KV_KEY_OFFSET, EngineConfig  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402
 from server.runtime.kv_cache import TURBO_KV_KINDS  # noqa: E402
 from server.runtime.models.config import ModelConfig  # noqa: E402
@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-depth", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                    help="e.g. 0,16384,65536: decode at these depths on the depth-2048 shape")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
-    p.add_argument("--kv-key-offset", default="fixed", type=lambda s: s.split(","),
-                   help="turbo K offsets to compare, e.g. fixed,turned")
+    p.add_argument("--kv-key-offset", default=DEFAULT_KV_KEY_OFFSET, type=lambda s: s.split(","),
+                   help="turbo K offsets to compare, e.g. partial,fixed,turned (the engine's default pair count)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--doc", type=Path, default=BENCHMARKS_DOC, help="markdown file to record into")
     p.add_argument("--no-record", action="store_true")

@@ -150,9 +150,12 @@ class Engine:
         )  # fmt: skip
         in_memory = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
         in_file = {raw.ggml_type.name for raw in loaded.raw_weights.values()}
+        turbo_k = kv.k_kind in TURBO_KV_KINDS
+        key_pairs = turned_pairs(self.config.kv_key_offset, self.config.kv_key_turned_pairs, layout.head_dim)
         self.metrics.process.on_start(
             device=str(self.device), kv_cache_dtype_k=kv.k_kind, kv_cache_dtype_v=kv.v_kind,
-            kv_key_offset=self.config.kv_key_offset if kv.k_kind in TURBO_KV_KINDS else "none",
+            kv_key_offset=self.config.kv_key_offset if turbo_k else "none",
+            kv_key_turned_pairs=key_pairs if turbo_k else 0,
             weight_formats=",".join(sorted(in_memory | in_file)), kernels=backend.describe(self.device),
         )  # fmt: skip
         self.metrics.process.watch_engine(self.is_alive)

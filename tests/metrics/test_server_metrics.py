@@ -148,6 +148,7 @@ def test_process_families(idle_samples):
     info = [dict(ls) for (n, ls), v in s.items() if n == "turboserve_build_info"]
     assert len(info) == 1 and info[0]["device"] == "cpu" and info[0]["kv_cache_dtype_k"] == "f32"
     assert info[0]["kv_key_offset"] == "none", "a dense K cache subtracts no offset"
+    assert info[0]["kv_key_turned_pairs"] == "0", "and turns no pair of it"
     assert "Q4_1" in info[0]["weight_formats"], info[0]
     assert total(s, "turboserve_engine_alive") == 1
     assert total(s, "turboserve_engine_steps_total", cuda_graph="true") == 0  # CPU: no graphs
