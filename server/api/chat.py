@@ -19,10 +19,18 @@ from server.api.streaming import SSE_DONE, SequenceStreamingResponse, sse, until
 def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=not body.continue_final_message)
     except ValueError as exc:  # no template, or the template's raise_exception("roles must alternate")
         raise ApiError(400, f"Cannot render these messages: {exc}", param="messages",
                        code="invalid_value") from None
+    if body.continue_final_message:  # cut the end-of-turn the template wrote after the final message
+        final = messages[-1]["content"]
+        start = text.rfind(final)
+        if start < 0:
+            raise ApiError(400, "The chat template rewrites the final assistant message (trims it?), so the reply "
+                           "cannot continue it; send it as the template writes it.",
+                           param="continue_final_message", code="invalid_value")
+        text = text[: start + len(final)]
     return ctx.encode(text, "messages")
 
 

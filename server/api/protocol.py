@@ -176,11 +176,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # vLLM's extension: write the reply on from the final assistant message instead of starting a new turn.
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true.")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_an_assistant_message(self):
+        final = self.messages[-1]
+        if self.continue_final_message and (final.role != "assistant" or not final.text()):
+            raise _invalid("continue_final_message", "continue_final_message needs the last message to be a "
+                           "non-empty assistant message (the text the reply continues).")
         return self
 
     @property

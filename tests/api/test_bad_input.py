@@ -57,6 +57,8 @@ CASES = [
     ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     ("stop-empty-string", CHAT, chat(stop=[""]), 400, "stop", "invalid_value"),
     ("stop-65-strings", CHAT, chat(stop=[f"stop{i}" for i in range(65)]), 400, "stop", "invalid_value"),
+    ("continue-a-user-message", CHAT, chat(continue_final_message=True), 400, "continue_final_message",
+     "invalid_value"),
     ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400,
      "stream_options", "invalid_value"),
     ("beyond-context", CHAT, chat(max_tokens=MAX_MODEL_LEN), 400, "max_tokens", None),

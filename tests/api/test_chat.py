@@ -65,6 +65,15 @@ def test_a_repetition_penalty_beyond_float32_acts_like_the_largest_finite_one(cl
     assert extreme.message.content and extreme.message.content == reply(penalty).choices[0].message.content
 
 
+def test_continue_final_message_writes_the_assistant_turn_on(client):
+    prefix = "The capital of France is"
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[*QUESTION, {"role": "assistant", "content": prefix}], max_tokens=16, temperature=0,
+        extra_body={"continue_final_message": True})
+    assert prefix + reply.choices[0].message.content == REFERENCE_REPLY
+    assert reply.choices[0].finish_reason == "stop"
+
+
 def test_max_tokens_cuts_with_finish_reason_length(client):
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length"
