@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from server.runtime.engine import RequestOutput
 from server.runtime.sequence import SamplingParams
 
+ENGINE_WATCH_S = 1.0  # how often a waiting request checks that the engine loop still runs
+
 
 class SequenceGroup:
     """The sequences of one HTTP request, submitted together and aborted together."""
@@ -24,6 +26,7 @@ class SequenceGroup:
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
         self._unfinished: set[int] = set()
         self._aborted = False
+        self._watch: asyncio.TimerHandle | None = None
 
     def _sequence_id(self, index: int) -> str:
         return f"{self._request_id}-{index}"
@@ -38,6 +41,18 @@ class SequenceGroup:
         except BaseException:
             self.abort()
             raise
+        self._watch = self._loop.call_later(ENGINE_WATCH_S, self._watch_engine)
+
+    def _watch_engine(self) -> None:
+        """A loop that died (a bug outside its step's error handling) never finishes its sequences:
+        fail them here rather than leave the client waiting forever."""
+        if not self._unfinished or self._aborted:
+            return
+        if self._engine.is_alive():
+            self._watch = self._loop.call_later(ENGINE_WATCH_S, self._watch_engine)
+            return
+        for index in sorted(self._unfinished):
+            self._queue.put_nowait((index, _engine_stopped(self._sequence_id(index))))
 
     def _callback(self, index: int):
         def on_output(output: RequestOutput) -> None:  # runs on the engine thread
@@ -54,6 +69,8 @@ class SequenceGroup:
             if item is None:  # aborted
                 return
             index, output = item
+            if index not in self._unfinished:  # the watch failed it while its real end was queued
+                continue
             if output.finished:
                 self._unfinished.discard(index)
             yield index, output
@@ -61,9 +78,17 @@ class SequenceGroup:
     def abort(self) -> None:
         """Abort whatever has not finished (client gone, or a sibling failed); idempotent.
         `outputs()` ends at once, whether or not the engine reports the aborted sequences."""
+        if self._watch is not None:
+            self._watch.cancel()
         if self._aborted or not self._unfinished:
             return
         self._aborted = True
         for index in sorted(self._unfinished):
             self._engine.abort(self._sequence_id(index))
         self._queue.put_nowait(None)
+
+
+def _engine_stopped(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, token_ids=[], text="", logprobs=None, prompt_logprobs=None,
+                         finished=True, finish_reason="error", error="the engine loop stopped", num_prompt_tokens=0,
+                         num_generated_tokens=0)

@@ -3,11 +3,14 @@ since stopping the real one would take the shared server down)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 
 from server.api.app import create_app
-from server.config import ServerConfig
+from server.config import EngineConfig, ServerConfig
 
 
 class StoppedEngine:
@@ -27,6 +30,44 @@ def test_health_is_503_when_the_engine_loop_is_down():
     assert response.status_code == 503 and response.json()["status"] == "unavailable"
     refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+
+
+class DyingEngine:
+    """Test double: takes a request, then its loop dies without finishing it (a bug outside the
+    step's error handling)."""
+
+    model_name = "stub"
+    max_model_len = 64
+    tokenizer = None
+    config = EngineConfig()
+
+    def __init__(self):
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def submit(self, request_id, prompt_token_ids, params, on_output) -> None:
+        self.alive = False
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_in_flight_fails_when_the_engine_loop_dies(stream):
+    async def send():
+        transport = httpx.ASGITransport(app=create_app(DyingEngine(), ServerConfig()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://stub") as http:
+            body = {"prompt": [1, 2], "max_tokens": 1, "stream": stream}
+            return await asyncio.wait_for(http.post("/v1/completions", json=body), timeout=10)
+
+    response = asyncio.run(send())  # TimeoutError: the request waited for outputs that never come
+    if stream:
+        events = [line for line in response.text.splitlines() if line.startswith("data:")]
+        assert '"engine_error"' in events[0] and events[-1] == "data: [DONE]"
+    else:
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
 
 
 def test_health_version_and_models_when_alive(api_server):
