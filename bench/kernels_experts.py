@@ -300,16 +300,15 @@ def _gemv_settings(config: tuple) -> None:
     moe.GEMV_BLOCK_N, moe.gemv_down_block_n, moe.gemv_gate_up_options = config
 
 
-def sweep_gemv(device, copy_gbs: float, formats=("q2_0", "e8p", "e8p3"), token_counts=(1, 8),
-               configs=GEMV_SWEEP) -> tuple:
-    """Print kernel-only times of the GEMV body at the deep shape for the GEMV_SWEEP settings, each checked
-    against the float32 reference on the first input set (a wrong one is reported and never chosen); leaves moe
-    at the setting with the lowest geometric mean of time over the cases, for every format (so the rows measured
-    after it use it), and returns it."""
-    gen = torch.Generator(device=device).manual_seed(4)
+def _sweep_deep(name: str, body: str, device, copy_gbs: float, formats, token_counts, configs, apply, reference,
+                run, bound: float, alone, seed: int) -> list[float]:
+    """The loop both sweeps share (``body`` as _prepared_kernels names it, ``name`` as the lines print it): for
+    each format and token count at the deep shape, each setting (``apply``)
+    checked on the first input set against ``reference`` (a wrong one is reported and never chosen) and timed
+    kernels only; at one token ``alone`` says where the time goes. Returns the log-time sum per setting."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
     log_sum = [0.0] * len(configs)
-    moe.gemv_gate_up_options_by_format = {}  # one setting for every format while sweeping
     for fmt in formats:
         gu = random_weights(fmt, e, 2 * i, d, device, gen)
         dn = random_weights(fmt, e, d, i, device, gen)
@@ -317,25 +316,37 @@ def sweep_gemv(device, copy_gbs: float, formats=("q2_0", "e8p", "e8p3"), token_c
             sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
             nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
             x, w, ids, _ = sets[0]
-            ref = fused_moe_reference(x.float(), w, ids, gu, dn)
+            ref = reference(x.float(), w, ids, gu, dn)
             for c, config in enumerate(configs):
-                _gemv_settings(config)
-                got = fused_gemv(x, w, ids, gu, dn).float()
-                err = ((got - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:  # reported and never chosen; the others are still timed
-                    print(f"sweep gemv deep {fmt} T={tokens} {config}: WRONG, rel err {err:.2e} vs the reference")
+                apply(config)
+                err = ((run(x, w, ids, gu, dn).float() - ref).norm() / ref.norm()).item()
+                if not err < bound:  # reported and never chosen; the others are still timed
+                    print(f"sweep {name} deep {fmt} T={tokens} {config}: WRONG, rel err {err:.2e} vs the reference")
                     log_sum[c] = float("inf")
                     continue
-                kernels = [_prepared_kernels(s, gu, dn, "gemv") for s in sets[:n_sets]]
+                kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
                 ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
                 log_sum[c] += math.log(ms)
                 gbs = nbytes / ms / 1e6
-                print(f"sweep gemv deep {fmt} T={tokens} (gate_up rows, down rows, gate_up options)="
-                      f"{config}: {ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy, rel err {err:.1e}",
-                      flush=True)
-                if tokens == 1:  # where the time goes: each launch alone
-                    print(f"  gate_up alone {_gemv_launch_us(sets, n_sets, gu, dn, True, device):.1f} us, "
-                          f"down alone {_gemv_launch_us(sets, n_sets, gu, dn, False, device):.1f} us", flush=True)
+                line = (f"sweep {name} deep {fmt} T={tokens} {config}: {ms * 1e3:.1f} us, {gbs:.0f} GB/s, "
+                        f"{gbs / copy_gbs:.0%} of copy, rel err {err:.1e}")
+                if tokens == 1:
+                    line += "; alone: " + ", ".join(f"{k} {v:.1f} us" for k, v in alone(sets, n_sets, gu, dn).items())
+                print(line, flush=True)
+    return log_sum
+
+
+def sweep_gemv(device, copy_gbs: float, formats=("q2_0", "e8p", "e8p3"), token_counts=(1, 8),
+               configs=GEMV_SWEEP) -> tuple:
+    """Kernel-only times of the GEMV body at the deep shape for the GEMV_SWEEP settings (gate_up rows, down rows,
+    gate_up options), each checked against the float32 reference; leaves moe at the setting with the lowest
+    geometric mean of time over the cases, for every format (so the rows measured after it use it), and returns it."""
+    moe.gemv_gate_up_options_by_format = {}  # one setting for every format while sweeping
+    alone = lambda sets, n_sets, gu, dn: {  # noqa: E731
+        "gate_up": _gemv_launch_us(sets, n_sets, gu, dn, True, device),
+        "down": _gemv_launch_us(sets, n_sets, gu, dn, False, device)}
+    log_sum = _sweep_deep("gemv", "gemv", device, copy_gbs, formats, token_counts, configs, _gemv_settings,
+                          fused_moe_reference, fused_gemv, 1e-2, alone, seed=4)
     best = configs[min(range(len(configs)), key=log_sum.__getitem__)]
     _gemv_settings(best)
     print(f"sweep gemv: fastest (geometric mean) over {formats} x T={token_counts}: {best}; the rows below use it",
@@ -460,39 +471,15 @@ def _dp4a_settings(config: tuple) -> None:
 def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(1, 8), configs=DP4A_SWEEP,
                label: str = "") -> tuple:
     """Kernel-only times of the integer-dot body at the deep shape (the two quantization launches included) for
-    DP4A_SWEEP, each checked against the int8 reference on the first input set; at one token also each launch
-    alone. Returns the fastest setting (geometric mean) and leaves moe at the shipped one (the first), which the
-    rows after it measure."""
-    gen = torch.Generator(device=device).manual_seed(11)
-    d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
+    DP4A_SWEEP (K step, gate_up warps, down warps, gate_up rows, down rows), each checked against the int8
+    reference; at one token also each launch alone. Returns the fastest setting (geometric mean) and leaves moe
+    at the shipped one (the first), which the rows after it measure."""
     saved = (moe.GEMV_BLOCK_N, moe.gemv_down_block_n)
-    log_sum = [0.0] * len(configs)
-    for fmt in formats:
-        gu = random_weights(fmt, e, 2 * i, d, device, gen)
-        dn = random_weights(fmt, e, d, i, device, gen)
-        for tokens in token_counts:
-            sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
-            nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
-            x, w, ids, _ = sets[0]
-            ref = fused_moe_reference(x.float(), w, ids, gu, dn, int8_activations=True)
-            for c, config in enumerate(configs):
-                _dp4a_settings(config)
-                got = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=True).float()
-                err = ((got - ref).norm() / ref.norm()).item()
-                if not err < DP4A_BOUNDS[torch.bfloat16]:
-                    print(f"sweep dp4a deep {fmt} T={tokens} {config}: WRONG, rel err {err:.2e} vs the int8 reference")
-                    log_sum[c] = float("inf")
-                    continue
-                kernels = [_prepared_kernels(s, gu, dn, "dp4a") for s in sets[:n_sets]]
-                ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
-                log_sum[c] += math.log(ms)
-                gbs = nbytes / ms / 1e6
-                line = (f"sweep dp4a{label} deep {fmt} T={tokens} (K step, gu warps, dn warps, gu rows, dn rows)={config}: "
-                        f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s, {gbs / copy_gbs:.0%} of copy, rel err {err:.1e}")
-                if tokens == 1:
-                    line += "; alone: " + ", ".join(f"{k} {v:.1f} us" for k, v in _dp4a_launch_us(sets, n_sets, gu, dn,
-                                                                                                     device).items())
-                print(line, flush=True)
+    log_sum = _sweep_deep(
+        "dp4a" + label, "dp4a", device, copy_gbs, formats, token_counts, configs, _dp4a_settings,
+        lambda *a: fused_moe_reference(*a, int8_activations=True),
+        lambda *a: moe.fused_moe_triton(*a, gemv=True, int8_activations=True), DP4A_BOUNDS[torch.bfloat16],
+        lambda sets, n_sets, gu, dn: _dp4a_launch_us(sets, n_sets, gu, dn, device), seed=11)
     best = configs[min(range(len(configs)), key=log_sum.__getitem__)]
     _dp4a_settings(configs[0])
     moe.GEMV_BLOCK_N, moe.gemv_down_block_n = saved
