@@ -19,7 +19,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[tuple[str | list[int], list[int]]]:
     """(prompt as sent, token ids) of each prompt; the engine checks ids against the vocabulary."""
-    return [(p, ctx.encode(p, "prompt") if isinstance(p, str) else list(p)) for p in body.prompts()]
+    prompts = body.prompts()
+    params = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+    return [(p, ctx.encode(p, param) if isinstance(p, str) else list(p)) for p, param in zip(prompts, params)]
 
 
 class _Choice:

@@ -67,6 +67,7 @@ CASES = [
     ("completion-logprobs-true", COMPLETIONS, completion(logprobs=True), 400, "logprobs", "invalid_value"),
     ("completion-prompt-missing", COMPLETIONS, {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
     ("completion-prompt-empty-list", COMPLETIONS, completion(prompt=[]), 400, "prompt", "invalid_value"),
+    ("completion-second-prompt-empty", COMPLETIONS, completion(prompt=["hi", ""]), 400, "prompt[1]", "invalid_value"),
     ("completion-prompt-mixed", COMPLETIONS, completion(prompt=[1, "a"]), 400, "prompt", "invalid_value"),
     ("completion-token-outside-vocab", COMPLETIONS, completion(prompt=[1, 10**9]), 400, "prompt", None),
     ("completion-prompt-too-long", COMPLETIONS, completion(prompt=[28] * (MAX_MODEL_LEN + 1)), 400, "prompt",
