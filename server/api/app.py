@@ -18,6 +18,7 @@ from server.config import ServerConfig
 from server.metrics import exposition
 from server.metrics.process import package_version
 from server.metrics.requests import RequestMetrics
+from server.runtime.engine import RequestRejected
 
 
 def check_json_content_type(request: Request) -> None:
@@ -69,26 +70,27 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     request_metrics = RequestMetrics(ctx.model_name)
 
-    async def read_request(request: Request, model: type[Body]) -> Body:
+    async def serve(request: Request, model: type[Body], create):
+        """Parse the body and `create` the response; each client mistake refused on the way counts once."""
         try:
             check_json_content_type(request)
-            return parse_body(model, await read_body(request, ctx.max_body_bytes))
-        except ApiError:
-            # Refused before reaching the engine (which counts its own refusals at submit).
-            request_metrics.on_failure("bad_request")
+            return await create(ctx, request, parse_body(model, await read_body(request, ctx.max_body_bytes)))
+        except ApiError as exc:
+            # What the engine refused at submit (the error's cause) it counted itself; 499 is a client
+            # that left, which the engine counts as an abort.
+            if 400 <= exc.status < 499 and not isinstance(exc.__cause__, RequestRejected):
+                request_metrics.on_failure("bad_request")
             raise
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key(config.api_key))])
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_request(request, ChatCompletionRequest)
-        return await create_chat_completion(ctx, request, body)
+        return await serve(request, ChatCompletionRequest, create_chat_completion)
 
     @v1.post("/completions")
     async def completions(request: Request):
-        body = await read_request(request, CompletionRequest)
-        return await create_completion(ctx, request, body)
+        return await serve(request, CompletionRequest, create_completion)
 
     def model_card() -> dict:
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "turboserve",

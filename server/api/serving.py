@@ -61,7 +61,7 @@ class ServingContext:
             group.submit(sequences)
         except RequestRejected as exc:
             param = exc.param if exc.param not in (None, "prompt", "prompt_token_ids") else prompt_param
-            raise ApiError(400, str(exc), param=param, code=exc.code or "invalid_value") from None
+            raise ApiError(400, str(exc), param=param, code=exc.code or "invalid_value") from exc
         except EngineOverloaded as exc:
             raise ApiError(503, f"The server is overloaded ({exc}); retry after {RETRY_AFTER_S} s.",
                            type="overloaded_error", code="queue_full",

@@ -71,13 +71,14 @@ def stop_server(server: RunningServer) -> None:
 
 
 
-def metric(server: RunningServer, family: str) -> float:
-    """The value of a one-sample family in the server's /metrics exposition."""
+def metric(server: RunningServer, family: str, **labels: str) -> float:
+    """The value of the one sample of `family` (with these labels) in the server's /metrics exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == family]
-    assert len(samples) == 1, f"expected one sample of {family} in /metrics, found {samples}"
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == family and labels.items() <= s.labels.items()]
+    assert len(samples) == 1, f"expected one sample of {family} {labels} in /metrics, found {samples}"
     return samples[0].value
 
 

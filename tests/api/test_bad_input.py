@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from live_server import MAX_MODEL_LEN, MODEL, wait_for_free_pages
+from live_server import MAX_MODEL_LEN, MODEL, metric, wait_for_free_pages
 
 CHAT = "/chat/completions"
 COMPLETIONS = "/completions"
@@ -119,6 +119,20 @@ def test_json_with_a_charset_is_json(api_server):
     response = httpx.post(api_server.v1 + CHAT, content=json.dumps(chat(temperature=0)), timeout=60,
                           headers={"Content-Type": "application/json; charset=utf-8"})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("body, status", [(chat(model="gpt-4o"), 404), (chat(logit_bias={"1": 1}), 400),
+                                          (chat(max_tokens=MAX_MODEL_LEN), 400), (b"{", 400)],
+                         ids=["wrong-model", "unsupported", "refused-by-the-engine", "malformed"])
+def test_every_refusal_counts_once_as_a_bad_request(api_server, body, status):
+    def bad_requests() -> float:
+        return metric(api_server, "turboserve_request_failure_total", reason="bad_request")
+
+    before = bad_requests()
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(api_server.v1 + CHAT, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    assert bad_requests() == before + 1
 
 
 def test_chunked_oversized_body_is_refused_without_a_length(api_server):
