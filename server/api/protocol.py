@@ -16,8 +16,9 @@ from server.api.errors import ApiError
 from server.runtime.sequence import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-# Every stop string is searched for in every sequence after every token, on the engine thread that all
-# requests share: 100k of them with n=64 held a 4-token request of someone else for 20 s. OpenAI allows 4.
+# Every stop string (and stop token id) is searched for in every sequence after every token, on the engine
+# thread that all requests share: 100k of them with n=64 held a 4-token request of someone else for 20 s.
+# OpenAI allows 4.
 MAX_STOP_STRINGS = 64
 # The sampler works in float32: logits divided by a temperature below ~1e-37 overflow to inf (NaN
 # probabilities), so, as vLLM does, a temperature below 1e-5 means greedy. A top_p below float32's
@@ -44,6 +45,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (bool, "insertion after a suffix"),
     "modalities": (lambda v: v != ["text"], "output modalities other than text"),
     "audio": (lambda v: True, "audio output"),
+    # vLLM's extensions of the same kind
+    "guided_json": (bool, "structured output"),
+    "guided_regex": (bool, "structured output"),
+    "guided_choice": (bool, "structured output"),
+    "guided_grammar": (bool, "structured output"),
+    "min_tokens": (bool, "a minimum reply length"),
 }
 
 
@@ -114,6 +121,8 @@ class _SamplingFields(_Body):
     best_of: Annotated[int, Field(ge=1)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_STRINGS)] = []  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,6 +177,7 @@ class _SamplingFields(_Body):
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=min(max(self.repetition_penalty, 1 / REPETITION_LIMIT), REPETITION_LIMIT),
             seed=None if self.seed is None else self.seed + index, stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs)
 
 

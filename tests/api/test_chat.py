@@ -127,6 +127,17 @@ def test_stop_string_is_cut_from_the_reply(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == "The capital of France is"
 
 
+def test_vllm_stop_token_ids_and_include_stop_str_in_output(client):
+    france = 4649  # " France" in transformers' tokenizer of the same file (test_completions.TOKENIZED)
+    by_id = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                           extra_body={"stop_token_ids": [france]})
+    assert by_id.choices[0].message.content == "The capital of"  # the stop token's text is not output
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == 4
+    kept = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                          stop=" Paris", extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "The capital of France is Paris"
+
+
 def test_same_seed_same_text_other_seed_other_text(client):
     def sample(seed):
         return client.chat.completions.create(
