@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from server.api.async_engine import SequenceGroup
 from server.api.errors import ApiError
-from server.runtime.engine import EngineOverloaded, RequestRejected
+from server.runtime.engine import EngineNotRunning, EngineOverloaded, RequestRejected
 from server.runtime.sequence import SamplingParams
 
 RETRY_AFTER_S = 1
@@ -47,9 +47,6 @@ class ServingContext:
               prompt_param: str, count_param: str) -> tuple[str, SequenceGroup]:
         """Submit a request's sequences; engine refusals become 400 (naming the field) or 503.
         `count_param` is the field that multiplied the sequences (n, or prompt for several prompts)."""
-        if not self.engine.is_alive():
-            raise ApiError(503, "The engine loop is not running; the server cannot take requests.",
-                           type="overloaded_error", code="engine_unavailable")
         queue = self.engine.config.max_queue
         if len(sequences) > queue:  # would be refused as "overloaded" however idle the server is
             raise ApiError(400, f"This request asks for {len(sequences)} sequences (prompts x n) but the server "
@@ -66,6 +63,9 @@ class ServingContext:
             raise ApiError(503, f"The server is overloaded ({exc}); retry after {RETRY_AFTER_S} s.",
                            type="overloaded_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineNotRunning:  # checked under the engine's lock, so a request racing shutdown lands here
+            raise ApiError(503, "The engine loop is not running; the server cannot take requests.",
+                           type="overloaded_error", code="engine_unavailable") from None
         return request_id, group
 
     def token(self, token_id: int) -> tuple[str, bytes]:

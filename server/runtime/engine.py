@@ -64,6 +64,10 @@ class EngineOverloaded(RuntimeError):
     """The waiting queue is full (max_queue); try again later."""
 
 
+class EngineNotRunning(RuntimeError):
+    """The engine loop is not running (shut down, never started, or died): it takes no requests."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,7 +215,7 @@ class Engine:
         )
         with self._cond:
             if self._stopping or not self.is_alive():
-                raise RuntimeError("the engine is not running (it was shut down or never started)")
+                raise EngineNotRunning("the engine is not running (it was shut down, never started, or its loop died)")
             if request_id in self._requests:
                 raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
             if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_queue:

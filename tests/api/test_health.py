@@ -11,17 +11,26 @@ from fastapi.testclient import TestClient
 
 from server.api.app import create_app
 from server.config import EngineConfig, ServerConfig
+from server.runtime.engine import EngineNotRunning
 
 
 class StoppedEngine:
-    """Test double: an engine whose step loop has died."""
+    """Test double: an engine whose step loop has died; like the real one, submit refuses under its lock
+    (so a request racing shutdown, which saw it alive a moment before, is refused the same way)."""
 
     model_name = "stub"
     max_model_len = 64
     tokenizer = None
+    config = EngineConfig()
 
     def is_alive(self) -> bool:
         return False
+
+    def submit(self, request_id, prompt_token_ids, params, on_output) -> None:
+        raise EngineNotRunning("the engine is not running")
+
+    def abort(self, request_id: str) -> None:
+        pass
 
 
 def test_health_is_503_when_the_engine_loop_is_down():

@@ -9,7 +9,7 @@ import torch
 from runtime_toy import EOS, Collector, assert_pages_return, make_engine, run_all, toy_loaded
 
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
-from server.runtime.engine import EngineOverloaded, RequestRejected
+from server.runtime.engine import EngineNotRunning, EngineOverloaded, RequestRejected
 from server.runtime.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -290,7 +290,7 @@ def test_shutdown_ends_live_requests_with_abort_and_refuses_new_ones(loaded):
     assert collector.wait()["live"].finish_reason == "abort"
     assert_pages_return(engine)
     assert not engine.is_alive()
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(EngineNotRunning, match="not running"):
         engine.submit("late", prompt(3), GREEDY, lambda out: None)
 
 
