@@ -20,14 +20,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # thread that all requests share: 100k of them with n=64 held a 4-token request of someone else for 20 s.
 # OpenAI allows 4.
 MAX_STOP_STRINGS = 64
-# The sampler works in float32: logits divided by a temperature below ~1e-37 overflow to inf (NaN
-# probabilities), so, as vLLM does, a temperature below 1e-5 means greedy. A top_p below float32's
-# smallest normal rounds to 0 there and drops every token; at that value it keeps only the best one.
-GREEDY_BELOW = 1e-5
-FLOAT32_TINY = 2.0**-126
-# A repetition penalty past 1e20 either way overflows float32 logits too (inf, or 0 x inf = NaN); at
-# 1e20 a seen token already wins (or loses) against any unseen one, so clamping there changes nothing else.
-REPETITION_LIMIT = 1e20
 CHAT_ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role ("developer messages replace system messages").
 ROLE_ALIASES = {"developer": "system"}
@@ -172,10 +164,9 @@ class _SamplingFields(_Body):
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """Params of the index-th of the n sequences (seed + index, so the n differ yet repeat)."""
         return SamplingParams(
-            max_tokens=max_tokens, temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
-            top_p=max(self.top_p, FLOAT32_TINY), top_k=self.top_k,
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=min(max(self.repetition_penalty, 1 / REPETITION_LIMIT), REPETITION_LIMIT),
+            repetition_penalty=self.repetition_penalty,
             seed=None if self.seed is None else self.seed + index, stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs)

@@ -23,6 +23,13 @@ from server.kernels.backend import use_triton
 from server.runtime.host_copy import to_device
 from server.runtime.sequence import Sequence, TokenLogprob
 
+# float32 limits of the sampling math (temperature's are SamplingParams.greedy's): a top_p below the smallest
+# normal rounds to 0 and drops every token, so it is raised to that, which keeps only the best one; a
+# repetition penalty past 1e20 either way overflows the logits (inf, or 0 x inf = NaN), while at 1e20 a seen
+# token already wins (or loses) against any unseen one, so clamping there changes nothing else.
+FLOAT32_TINY = 2.0**-126
+REPETITION_LIMIT = 1e20
+
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
 
@@ -123,7 +130,7 @@ class SamplingTensors:
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         # One host-to-device copy instead of five.
         columns = [
-            [float(p.greedy), p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p, k]
+            [float(p.greedy), 1.0 if p.greedy else p.temperature, max(p.top_p, FLOAT32_TINY), p.min_p, k]
             for p, k in zip(params, top_k)
         ]
         floats = to_device(torch.tensor(columns, dtype=torch.float32), device)  # top_k < 2**24: exact in float32
@@ -152,7 +159,8 @@ def _penalty_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device
         )
     params = [s.params for s in seqs]
     factors = torch.tensor(
-        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dtype=torch.float32
+        [[min(max(p.repetition_penalty, 1 / REPETITION_LIMIT), REPETITION_LIMIT), p.frequency_penalty,
+          p.presence_penalty] for p in params], dtype=torch.float32
     )
     factors = to_device(factors, device)
     return to_device(prompt_mask, device), to_device(output_counts, device), factors[:, 0], factors[:, 1], factors[:, 2]

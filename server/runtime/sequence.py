@@ -6,11 +6,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
+# The sampler works in float32: logits divided by a temperature below ~1e-37 overflow to inf (NaN
+# probabilities), so, as vLLM does, a temperature below 1e-5 samples greedily.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 -> greedy
+    temperature: float = 1.0  # 0 (anything below GREEDY_BELOW) -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 -> off
     min_p: float = 0.0
@@ -27,7 +31,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

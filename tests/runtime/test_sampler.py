@@ -96,6 +96,22 @@ def test_greedy_with_penalties_picks_argmax_of_penalized_logits():
     assert sample(logits, SamplingTensors.from_sequences(plain, 4, torch.device("cpu"))).tolist() == [0]
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40, seed=1),  # logits / T overflow float32: greedy below 1e-5
+    SamplingParams(temperature=1.0, top_p=1e-300, seed=2),  # rounds to 0 in float32: keeps the best token
+    SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1e-40, seed=3),  # 1 / penalty overflows
+    SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1e40, seed=4),
+])
+def test_params_past_float32s_range_sample_the_best_token_not_nan(params):
+    # The best logit (token 3) was neither in the prompt nor generated, so no penalty moves it; the others
+    # were, and a huge penalty pushes them far below it (a tiny one far above: then the best seen one wins).
+    logits = torch.tensor([[0.5, -1.0, 1.0, 2.0, -0.5]])
+    seqs = sequences([params], prompt=(0, 1, 2, 4), outputs=())
+    token = sample(logits.clone(), SamplingTensors.from_sequences(seqs, 5, torch.device("cpu"))).item()
+    expected = 2 if params.repetition_penalty < 1 else 3
+    assert token == expected, f"{params}: sampled {token}"
+
+
 def test_exponential_noise_is_a_function_of_seed_step_and_token():
     keys = torch.tensor([row_key(5, 0), row_key(5, 1), row_key(6, 0), row_key(-3, 0), row_key(2**70, 0)])
     assert len(set(keys.tolist())) == 5, "different (seed, step) pairs must name different draws"
