@@ -62,6 +62,18 @@ def env_name(flag: str) -> str:
     return "TURBOSERVE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+def parse_origins(text: str) -> tuple[str, ...]:
+    """'https://a.example, https://b.example' -> the origins; '*' alone allows any; '' none."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
+            raise argparse.ArgumentTypeError(f"{origin!r} is not a web origin: expected scheme://host[:port] "
+                                             "(e.g. https://chat.example.com) or *")
+    if "*" in origins and len(origins) > 1:
+        raise argparse.ArgumentTypeError("'*' allows every origin; give it alone")
+    return origins
+
+
 def add_argument(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     """parser.add_argument whose default may come from TURBOSERVE_<FLAG>."""
     env = os.environ.get(env_name(flag))
@@ -134,6 +146,9 @@ def _register_serve(subparsers) -> None:
     add_argument(p, "--port", type=int, default=8000, help="port to listen on")
     add_argument(p, "--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     add_argument(p, "--max-body-bytes", type=parse_size, default=4 * 2**20, help="largest request body")
+    add_argument(p, "--allowed-origins", type=parse_origins, default="",
+                 help="comma-separated web origins whose pages may call the API (CORS), e.g. "
+                      "https://chat.example.com, or * for any; default none")
     p.set_defaults(func=serve)
 
 
@@ -171,8 +186,8 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from server.api.server import run_server  # heavy imports (torch) only for this command
 
-    server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                 log_level=args.log_level, max_body_bytes=args.max_body_bytes)
+    server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+                                 max_body_bytes=args.max_body_bytes, allowed_origins=args.allowed_origins)
     return run_server(engine_config_from_args(args), server_config)
 
 

@@ -45,3 +45,4 @@ class ServerConfig:
     api_key: str | None = None
     log_level: str = "info"
     max_body_bytes: int = 4 * 1024 * 1024
+    allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" any; () none

@@ -54,8 +54,23 @@ def test_defaults_match_the_documented_ones(monkeypatch):
     for name in [n for n in __import__("os").environ if n.startswith("TURBOSERVE_")]:
         monkeypatch.delenv(name)
     args = cli.build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.api_key, args.model, args.max_body_bytes) == (
-        "127.0.0.1", 8000, None, None, 4 * 2**20)
+    assert (args.host, args.port, args.api_key, args.model, args.max_body_bytes, args.allowed_origins) == (
+        "127.0.0.1", 8000, None, None, 4 * 2**20, ())
+
+
+def test_allowed_origins_parse_from_the_flag_and_the_environment(monkeypatch):
+    parse = cli.build_parser().parse_args
+    args = parse(["serve", "--allowed-origins", "https://a.example, http://localhost:3000/"])
+    assert args.allowed_origins == ("https://a.example", "http://localhost:3000")
+    monkeypatch.setenv("TURBOSERVE_ALLOWED_ORIGINS", "*")
+    assert cli.build_parser().parse_args(["serve"]).allowed_origins == ("*",)
+
+
+@pytest.mark.parametrize("text", ["a.example", "https://a.example/path", "*, https://a.example", "ftp://a"])
+def test_bad_origins_are_refused_with_an_example(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["serve", "--allowed-origins", text])
+    assert exit_.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
 
 
 def test_a_bad_environment_value_names_the_variable(monkeypatch, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
@@ -67,6 +68,9 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(engine=engine, model_name=engine.model_name, max_body_bytes=config.max_body_bytes,
                          system_fingerprint=f"turboserve-{version}")
     app = FastAPI(title="turboserve", version=version)
+    if config.allowed_origins:  # browsers may call us from these pages; preflights are answered here
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "HEAD", "POST"], allow_headers=["Authorization", "Content-Type"])
     install_error_handlers(app)
     request_metrics = RequestMetrics(ctx.model_name)
 
