@@ -127,16 +127,10 @@ def test_llama_forward_on_the_fast_path_matches_the_reference_path(monkeypatch):
     # model: a mixed prefill step then a decode step give the reference path's logits.
     from server.kernels import paged_kv
     from server.runtime.models import llama, rope
-    from server.runtime.models.config import ModelConfig
     from tests.models.paged_batch import PagedBatch
+    from tests.models.tiny_llama import tiny_llama
 
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = llama.CausalLM(cfg).eval()
+    model = tiny_llama()
     steps = [{"a": list(range(1, 12)), "b": [5, 6, 7]}, {"a": [40], "b": [41]}]
     logits = {}
     for fast in (False, True):
@@ -154,16 +148,10 @@ def test_llama_decode_through_the_fused_matmuls_matches_the_reference_path(monke
     # every norm after the first takes the residual add; the 20-row prefill step takes F.linear + separate ops.
     from server.kernels import gemv, paged_kv
     from server.runtime.models import llama, rope
-    from server.runtime.models.config import ModelConfig
     from tests.models.paged_batch import PagedBatch
+    from tests.models.tiny_llama import tiny_llama
 
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=6,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=128, tie_word_embeddings=False, attention_bias=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = llama.CausalLM(cfg).eval()
+    model = tiny_llama(num_heads=6, attention_bias=True)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)

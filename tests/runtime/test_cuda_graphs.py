@@ -44,17 +44,12 @@ def test_replay_pads_with_rows_that_touch_no_page(monkeypatch):
     from server.kernels.paged_kv import AttentionMetadata
     from server.runtime.cuda_graphs import DecodeGraphs
     from server.runtime.models import llama, rope
-    from server.runtime.models.config import ModelConfig
+    from tests.models.tiny_llama import tiny_llama
 
     for module in (paged_kv, llama, rope):
         monkeypatch.setattr(module, "use_triton", lambda t: True)
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = llama.CausalLM(cfg).eval()
+    model = tiny_llama(vocab_size=50, hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=256,
+                       tie_word_embeddings=True)
     page, width, num_pages = 4, 8, 24
     stores = [DenseKVStore(num_pages, page, 2, 8, torch.float32, "cpu") for _ in range(2)]
     for store in stores:

@@ -10,9 +10,8 @@ from runtime_toy import ToyConfig, ToyLoaded, ToyModel, make_engine
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.store import TurboKVStore
 from server.runtime.kv_calibration import CALIBRATION_TEXT, key_offsets, turned_pair_gains, turned_pairs
-from server.runtime.models import llama
-from server.runtime.models.config import ModelConfig
 from server.runtime.sequence import SamplingParams
+from tests.models.tiny_llama import tiny_llama
 
 CONFIG = ToyConfig(head_dim=64)  # turbo needs head_dim % 64 == 0
 
@@ -39,13 +38,9 @@ def build_info(model_name: str) -> dict:
 
 
 def tiny_rope_model():
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=100.0, rope_scaling=None,
-        max_position_embeddings=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return llama.CausalLM(cfg).eval(), cfg
+    model = tiny_llama(vocab_size=64, hidden_size=48, intermediate_size=64, rope_theta=100.0,
+                       max_position_embeddings=512, tie_word_embeddings=True)
+    return model, model.config
 
 
 def spied_offsets(model, cfg, ids):
