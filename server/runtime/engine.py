@@ -137,7 +137,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics = EngineMetrics(self.model_name)
-        self._report_setup(loaded, layout)
+        self._report_setup(loaded, layout, key_pairs)
         timing.set_sample_rate(config.kernel_timing_sample_rate)
         log.info(
             "loaded %s (%s) on %s as %s; %s; %s; max_model_len %d",
@@ -145,7 +145,7 @@ class Engine:
             self.kv_cache.describe(), self.max_model_len,
         )  # fmt: skip
 
-    def _report_setup(self, loaded: LoadedModel, layout: KVLayout) -> None:
+    def _report_setup(self, loaded: LoadedModel, layout: KVLayout, key_pairs: int) -> None:
         kv = self.kv_cache
         self.metrics.kv.on_pool(
             num_pages=kv.num_pages, page_size=kv.page_size, bytes_per_token=kv.bytes_per_token,
@@ -155,7 +155,6 @@ class Engine:
         in_memory = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
         in_file = {raw.ggml_type.name for raw in loaded.raw_weights.values()}
         turbo_k = kv.k_kind in TURBO_KV_KINDS
-        key_pairs = turned_pairs(self.config.kv_key_offset, self.config.kv_key_turned_pairs, layout.head_dim)
         self.metrics.process.on_start(
             device=str(self.device), kv_cache_dtype_k=kv.k_kind, kv_cache_dtype_v=kv.v_kind,
             kv_key_offset=self.config.kv_key_offset if turbo_k else "none",
