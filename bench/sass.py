@@ -41,8 +41,13 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, divisibl
 
 def sass_counts(kernel) -> tuple[collections.Counter, dict]:
     """(opcode counts without NOPs, {"REG", "STACK", "SHARED", "LOCAL"}) of a compiled kernel."""
+    return cubin_counts(kernel.asm["cubin"])
+
+
+def cubin_counts(binary: bytes) -> tuple[collections.Counter, dict]:
+    """sass_counts of a cubin's bytes."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
+        cubin.write(binary)
         cubin.flush()
         sass, usage = (subprocess.run([TOOLS / "cuobjdump", flag, cubin.name], capture_output=True, text=True,
                                       check=True) for flag in ("-sass", "-res-usage"))
