@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from bench.harness import Row, time_ms
 from server.kernels import pdl
-from server.kernels.experts import int8_activations, moe
+from server.kernels.experts import int8_activations, moe, moe_cuda
 from server.kernels.experts.moe_reference import fused_moe_reference
 from server.kernels.experts.routing import (
     align_pairs,
@@ -188,7 +188,7 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
                                                                           else "")))
             # the other decode bodies on the same inputs, for comparison
             decode_bodies = {"q2_0": ("mma", "gemv", "gemm", "dp4a"), "q1_0": ("gemv", "gemm", "dp4a")}.get(
-                fmt, ("gemv", "gemm"))
+                fmt, ("cuda", "gemv", "gemm"))
             for other in [b for b in decode_bodies if b != body and b in other_bodies] if body != "gemm" else ():
                 kernels = [_prepared_kernels(s, gu, dn, other) for s in sets[:n_sets]]
                 o_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
@@ -203,24 +203,36 @@ def _decode_body(fmt: str, num_pairs: int, num_experts: int) -> str:
         return "gemm"
     if moe.int8_activations_enabled(fmt):
         return "dp4a"
+    if fmt in moe.CUDA_DECODE_FORMATS and _cuda_body_available(fmt):
+        return "cuda"
     return "mma" if moe.use_mma(fmt, torch.bfloat16, num_pairs) else "gemv"
 
 
+def _cuda_body_available(fmt: str) -> bool:
+    """Whether moe.launch_expert_decode takes the CUDA C body (moe_cuda.py) for bf16 activations of deep widths."""
+    a = torch.empty((1, 6144), dtype=torch.bfloat16, device="cuda")
+    w = ExpertWeights(fmt, (1, 16, 6144), {"codes": torch.empty((1, 16, 768), dtype=torch.int16, device="cuda"),
+                                           "residual": torch.empty((1, 16, 768), dtype=torch.uint8, device="cuda")})
+    return moe_cuda.expert_kernel(a, w, dual=False) is not None
+
+
 def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
-    """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "mma", "gemv", "gemm", or "dp4a":
-    the two integer-dot launches each after its activations' quantization launch)."""
+    """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "cuda" (moe_cuda.py), "mma",
+    "gemv" (the Triton body), "gemm", or "dp4a": the two integer-dot launches each after its activations'
+    quantization launch)."""
     x, w, ids, _ = s
     top_k = ids.shape[1]
     xr = gu.rotate_input(x).contiguous()
     h = torch.empty((ids.numel(), gu.shape[1] // 2), dtype=x.dtype, device=x.device)
     y = torch.empty((ids.numel(), gu.shape[2]), dtype=torch.float32, device=x.device)
     routing = w.reshape(-1).float().contiguous()
-    if body == "gemv":
+    if body in ("gemv", "cuda"):
         expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
+        launch = moe.launch_expert_gemv if body == "gemv" else moe.launch_expert_decode
 
         def run():
-            moe.launch_expert_gemv(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
-            moe.launch_expert_gemv(h, y, expert_ids, dn, routing=routing)
+            launch(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
+            launch(h, y, expert_ids, dn, routing=routing)
     elif body == "dp4a":
         expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
 
@@ -660,9 +672,63 @@ def run_dp4a(device: torch.device, copy_gbs: float):
     return "Quantized MoE experts: q1_0/q2_0 decode on 8-bit activations (dp4a) vs bf16 bmm", rows
 
 
+# Warps per CTA of the CUDA body's (gate_up, down) launches (moe_cuda.warps); the first is the setting the tree ships.
+CUDA_WARPS_SWEEP = ((4, 4), (2, 2), (8, 8))
+
+
+def sweep_cuda(device, copy_gbs: float, formats=("e8p", "e8p3"), token_counts=(1, 8), configs=CUDA_WARPS_SWEEP):
+    """Device time of the CUDA body's two launches per warps setting at the deep shape; sets the fastest (geometric
+    mean over formats and token counts) for the rows that follow."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    cases = []
+    for fmt in formats:
+        gu = random_weights(fmt, 64, 2 * 2048, 6144, device, gen)
+        dn = random_weights(fmt, 64, 6144, 2048, device, gen)
+        for tokens in token_counts:
+            sets, n_sets, _ = _decode_inputs(DEEP, tokens, device, gen)
+            cases.append((f"{fmt} T={tokens}", [_prepared_kernels(s, gu, dn, "cuda") for s in sets[:n_sets]],
+                          n_sets, gu.packed_bytes(tokens * 8) + dn.packed_bytes(tokens * 8)))
+    log_sum = {}
+    for gate_up_warps, down_warps in configs:
+        moe_cuda.warps.update({True: gate_up_warps, False: down_warps})
+        parts = []
+        for name, kernels, n_sets, nbytes in cases:
+            us = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device) * 1e3
+            log_sum[(gate_up_warps, down_warps)] = log_sum.get((gate_up_warps, down_warps), 0.0) + math.log(us)
+            parts.append(f"{name} {us:.1f} us ({nbytes / us / 1e3 / copy_gbs * 100:.0f} % of copy)")
+        print(f"sweep cuda: warps gate_up {gate_up_warps} down {down_warps}: " + "; ".join(parts), flush=True)
+    best = min(log_sum, key=log_sum.get)
+    moe_cuda.warps.update({True: best[0], False: best[1]})
+    print(f"sweep cuda: fastest (geometric mean) {best}; the rows below use it", flush=True)
+    return best
+
+
+def check_cuda(device) -> list[str]:
+    """The dispatched GEMV regime (the CUDA body for e8p/e8p3) against the float32 reference at the deep widths,
+    bf16 and fp16 activations, 1 and 8 tokens (check_gemv's cases)."""
+    return [line.replace("GEMV body", "CUDA body") for line in check_gemv(device, formats=("e8p", "e8p3"))]
+
+
+def run_cuda(device: torch.device, copy_gbs: float):
+    """EXPERTS_CUDA=1: e8p / e8p3 decode on the CUDA C tensor-core body (moe_cuda.py): its checks, its warps sweep,
+    and deep T=1 / T=8 and Mixtral T=1 rows of the CUDA and Triton GEMV bodies (kernels only and the full op)."""
+    for line in check_cuda(device):
+        print("correctness:", line, flush=True)
+    sweep_cuda(device, copy_gbs)
+    rows = []
+    for shape, label, tokens in ((DEEP, "deep D6144 I2048 E64 top8", (1, 8)), (MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,))):
+        try:
+            rows += _decode_rows(shape, label, tokens, copy_gbs, device, formats=("e8p", "e8p3"), other_bodies=("gemv",))
+        except Exception:  # noqa: BLE001 - keep what was measured
+            traceback.print_exc()
+    return "Quantized MoE experts: e8p/e8p3 decode on the CUDA C tensor-core body vs Triton GEMV vs bf16 bmm", rows
+
+
 def run(device: torch.device, copy_gbs: float):
     if os.environ.get("EXPERTS_DP4A") == "1":
         return run_dp4a(device, copy_gbs)
+    if os.environ.get("EXPERTS_CUDA") == "1":
+        return run_cuda(device, copy_gbs)
     gemv_checks = check_gemv(device)  # first: the GEMV sweep below times the body it checks
     for line in gemv_checks + check_dp4a(device) + check_routing(device) + check_correctness(device) + check_mma(device):
         print("correctness:", line, flush=True)

@@ -16,7 +16,7 @@ from triton.runtime.errors import OutOfResources
 
 from server.kernels import pdl
 from server.kernels.backend import inline_ptx, use_triton
-from server.kernels.experts import e8p
+from server.kernels.experts import e8p, moe_cuda
 from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
 from server.kernels.experts.int8_activations import quantize_triton as quantize_int8
 from server.kernels.experts.moe_dp4a import _expert_dp4a
@@ -136,8 +136,8 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
         launch_expert_mma(down.rotate_input(h), y_pairs, blocks, down, routing=routing)
     elif gemv:
         expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-        launch_expert_gemv(xr, h, expert_ids, gate_up, dual=True, a_row_div=top_k)
-        launch_expert_gemv(down.rotate_input(h).contiguous(), y_pairs, expert_ids, down, routing=routing)
+        launch_expert_decode(xr, h, expert_ids, gate_up, dual=True, a_row_div=top_k)
+        launch_expert_decode(down.rotate_input(h).contiguous(), y_pairs, expert_ids, down, routing=routing)
     else:
         blocks = align_pairs(topk_ids, num_e, block_m or choose_block_m(num_pairs, num_e))
         launch_expert_gemm(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
@@ -200,6 +200,21 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ASM=inline_ptx(a.device),
             **gemv_launch_options(fmt, dual),
         )
+
+
+# Formats whose GEMV-regime launches take the tensor-core CUDA C body (moe_cuda.py) where it compiles and takes the
+# shape (fp16/bf16 activations, K a multiple of 64); TURBOSERVE_CUDA_KERNELS=0 keeps the Triton body.
+CUDA_DECODE_FORMATS = ("e8p", "e8p3")
+
+
+def launch_expert_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
+                         dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """As launch_expert_gemv, through the CUDA C tensor-core body where it serves (CUDA_DECODE_FORMATS)."""
+    kernel = moe_cuda.expert_kernel(a, w, dual) if w.format in CUDA_DECODE_FORMATS else None
+    if kernel is None:
+        launch_expert_gemv(a, out, expert_ids, w, dual=dual, routing=routing, a_row_div=a_row_div)
+    else:
+        moe_cuda.launch_expert_cuda(kernel, a, out, expert_ids, w, dual=dual, routing=routing, a_row_div=a_row_div)
 
 
 def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
