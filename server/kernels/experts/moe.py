@@ -203,7 +203,9 @@ def launch_expert_gemv(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Ten
 
 
 # Formats whose GEMV-regime launches take the tensor-core CUDA C body (moe_cuda.py) where it compiles and takes the
-# shape (fp16/bf16 activations, K a multiple of 64); TURBOSERVE_CUDA_KERNELS=0 keeps the Triton body.
+# shape (fp16/bf16 activations, K a multiple of 64); TURBOSERVE_CUDA_KERNELS=0 keeps the Triton body. H200, kernels
+# only (HQ block, 08:50 UTC): D=6144 I=2048 top-8 e8p 102.6 -> 65.8 us at one token, 700 -> 382 us at 8; e8p3
+# 156.5 -> 102.5 and 1100 -> 666 us; Mixtral D4096 I14336 top-2 one token e8p 126.2 -> 78.6, e8p3 187.8 -> 126.2 us.
 CUDA_DECODE_FORMATS = ("e8p", "e8p3")
 
 

@@ -26,12 +26,22 @@ mantissa bits of two halves: one LOP3 then makes the fp16 (bf16) pair 1 + n/16, 
 S = Σ x·(1 + n/16); an MMA with A = 1 sums Σx from the same operands, and Σ x·w = 8·S - 11.75·Σx (as
 moe_gemv.py, offset 1, so float32 error stays within a small factor of a plain dot product). e8p3's residual
 code m_k = 2r_k + 4 goes through the same scheme into its own accumulator: Σ x·r = 8·S_r - 10·Σx, stored
-points r / 2.04. Per code: two LDS.32 (ABS, SIGN; e8p3 a third), one XOR, three funnel shifts, four LOP3.
+points r / 2.04. Per code: two LDS.32 (ABS, SIGN; e8p3 a third), one XOR, three funnel shifts, four LOP3
+(sm_90 SASS of a whole K step, bench/cuda_sass.py: 18.6 instructions a code for e8p, 34.7 for e8p3).
 
 A CTA's warps split K (warp w takes K steps w, w + W, ...) and add their accumulators in shared memory; code
 loads of the next step are issued before the current step's decode (16-byte loads, one step ahead).
 Requirements (`supports`): fp16/bf16 activations, K a multiple of 64 (whole 16-byte code loads per row), 16-byte
 aligned rows; otherwise the caller keeps the Triton body.
+
+Measured (H200, kernels only, D=6144 I=2048 E64 top-8; HQ block of 2026-11-30 08:50 UTC): e8p one token 65.8 us
+(27 % of copy; Triton GEMV 102.6), 8 tokens 382 us (37 %; 700); e8p3 102.5 us (26 %; 156.5), 666 us (32 %; 1100).
+By the SASS count that fills 44 % of the SMs' issue slots at 8 tokens, and the tables' bank conflicts are not
+the bound either: a variant with the tables in 32 copies (each lane its own bank, conflict-free), 16 % fewer
+instructions a code (PRMT-built table offsets, no zeroing of predicated loads) and persistent 8-warp CTAs ran
+slower (e8p 78.3 us and 478 us, 09:00 UTC run) with 16 warps an SM against up to 24 here. So the likely bound
+(inferred, not profiled) is the weight bytes in flight per SM (one 2 KiB step per warp): the next thing to try is
+a deeper load pipeline.
 """
 
 from __future__ import annotations
