@@ -36,8 +36,8 @@ aligned rows; otherwise the caller keeps the Triton body.
 
 Measured (H200, kernels only, D=6144 I=2048 E64 top-8; HQ block of 2026-11-30 08:50 UTC): e8p one token 65.8 us
 (27 % of copy; Triton GEMV 102.6), 8 tokens 382 us (37 %; 700); e8p3 102.5 us (26 %; 156.5), 666 us (32 %; 1100).
-By the SASS count that fills 44 % of the SMs' issue slots at 8 tokens, and the tables' bank conflicts are not
-the bound either: a variant with the tables in 32 copies (each lane its own bank, conflict-free), 16 % fewer
+By the SASS count (at 1.98 GHz) that fills 44 % of the SMs' issue slots at 8 tokens, and the tables' bank conflicts are not
+the bound either: a variant with the tables in 32 copies (each lane its own bank, conflict-free), 13 % fewer
 instructions a code (PRMT-built table offsets, no zeroing of predicated loads) and persistent 8-warp CTAs ran
 slower (e8p 78.3 us and 478 us, 09:00 UTC run) with 16 warps an SM against up to 24 here. So the likely bound
 (inferred, not profiled) is the weight bytes in flight per SM (one 2 KiB step per warp): the next thing to try is
