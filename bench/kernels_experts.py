@@ -24,6 +24,10 @@ EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a m
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
 q2_0 and q1_0, no tile sweep, no prefill.
 
+EXPERTS_CUDA=1 python bench/kernels.py experts: e8p/e8p3 on the CUDA C tensor-core body only (moe_cuda.py): its
+checks through the dispatch (check_cuda), its warps sweep (sweep_cuda), and deep T=1 / T=8 and Mixtral T=1 rows of
+the CUDA body ("ours") and the Triton GEMV body (the A/B), about 30 s on a warm H200.
+
 EXPERTS_DP4A=1 python bench/kernels.py experts: q1_0/q2_0 on 8-bit activations only (moe_dp4a.py): its checks
 (check_dp4a), the sweep of its launch settings (sweep_dp4a; the shipped setting also with PDL off), and deep T=1
 and T=8 rows of the dp4a and float GEMV bodies (about 30 s on a warm H200).
