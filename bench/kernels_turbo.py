@@ -6,7 +6,8 @@
    each case again with a key offset (RoPE keys with a shared direction, the pages holding k - o(p)),
    plus one sequence of 128K positions (the offset's angles at their largest).
 2. Decode attention, 32 query / 8 KV heads, head_dim 128, batch 1/8/32 x context 4K/16K/64K:
-   turbo3 and turbo4 (both kernels: split-K decode + merge with the inverse rotation) against
+   turbo3 and turbo4, the engine's dispatched decode (the CUDA C kernel of attention_cuda.py where it runs)
+   and the Triton kernel (both: split-K decode + merge with the inverse rotation) against
    F.scaled_dot_product_attention on contiguous bf16 K/V (the 4 query heads of a KV head as 4
    query rows, so SDPA reads each KV head once, as ours does). Bandwidth counts the compressed
    K/V bytes. Each shape also runs with a key offset like the engine's default (engine_key_offset, partial on
@@ -30,7 +31,7 @@ from bench.harness import Row, rotation_count, time_ms
 from server.config import DEFAULT_KV_KEY_TURNED_PAIRS
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate_reference, rotate_triton
-from server.kernels.turbo import attention
+from server.kernels.turbo import attention, attention_cuda
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
@@ -129,6 +130,11 @@ def check_correctness(device: torch.device) -> list[str]:
                                                  store.key_offset).float()
         err = (fused - reference).abs().max().item() / reference.abs().max().item()
         verdict(f"decode {name}", err < 2e-2, f"max |fused - reference| / max |reference| = {err:.2e}")
+        cuda = attention_cuda.decode_attention_cuda(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
+                                                    store.key_offset)
+        err = float("inf") if cuda is None else (cuda.float() - reference).abs().max().item() / \
+            reference.abs().max().item()
+        verdict(f"CUDA C decode {name}", err < 2e-2, f"max |CUDA - reference| / max |reference| = {err:.2e}")
         del store, kv
     return failures
 
@@ -166,9 +172,11 @@ def random_decode_inputs(batch: int, ctx: int, q_heads: int, kind: str, device):
     return store, metas, qs, turbo_bytes
 
 
-def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: bool = False) -> list[Row]:
-    """One row per (block_n, num_warps) config of our decode on random pages of this shape; with an engine-like
-    key offset (its score term) when ``key_offset``."""
+def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: bool = False,
+                 dispatched: bool = False) -> list[Row]:
+    """One row per (block_n, num_warps) config of the Triton decode on random pages of this shape; with an
+    engine-like key offset (its score term) when ``key_offset``. ``dispatched``: one row of the engine's decode
+    instead (TurboKVStore.attend: the CUDA C kernel where it runs, else Triton)."""
     store, metas, qs, turbo_bytes = random_decode_inputs(batch, ctx, Q_HEADS, kind, device)
     if key_offset:
         store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2),
@@ -182,6 +190,14 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: b
                                        store.key_offset, block_n=block_n, num_warps=num_warps,
                                        max_registers=max_registers, num_stages=num_stages, column_order=column_order)
 
+    case = f"decode {kind} b{batch} ctx{ctx // 1024}K" + (
+        f", key offset partial{ENGINE_TURNED_PAIRS}" if key_offset else "")
+    if dispatched:
+        cuda = attention_cuda.decode_attention_cuda(qs[0], store.k, store.v, metas[0], scale, store.signs,
+                                                    store.inv_sqrt, store.key_offset) is not None
+        ms = time_ms(lambda i: store.attend(qs[i], metas[i], scale), n_inputs=n_inputs, device=device)
+        return [Row(case, ms, bytes_moved=turbo_bytes,
+                    note="dispatched: " + ("CUDA C kernel (attention_cuda.py)" if cuda else "Triton kernel"))]
     rows = []
     for config in configs:
         ms = time_ms(lambda i: ours(i, config), n_inputs=n_inputs, device=device)
@@ -190,9 +206,7 @@ def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: b
         note += "" if max_registers is None else f", <= {max_registers} registers"
         note += "" if num_stages is None else f", {num_stages} stages"
         note += "" if column_order else ", natural column order"
-        case = f"decode {kind} b{batch} ctx{ctx // 1024}K" + (
-            f", key offset partial{ENGINE_TURNED_PAIRS}" if key_offset else "")
-        rows.append(Row(case, ms, bytes_moved=turbo_bytes, note=note))
+        rows.append(Row(case, ms, bytes_moved=turbo_bytes, note="Triton: " + note))
     return rows
 
 
@@ -282,10 +296,12 @@ def run(device: torch.device, copy_gbs: float) -> tuple[str, list[Row]]:
             sdpa = sdpa_ms(batch, ctx, Q_HEADS, device)
             for kind in ("turbo3", "turbo4"):
                 for key_offset in (False, True):
-                    (row,) = _decode_case(batch, ctx, kind, device, [DEFAULT], key_offset)
-                    row.baseline_ms, row.baseline_name = sdpa, "bf16 SDPA (flash)"
-                    rows.append(row)
-                    print(f"{row.case}: {row.ours_ms:.4f} ms vs SDPA {sdpa:.4f} ms ({row.speedup:.2f}x)", flush=True)
+                    for row in (*_decode_case(batch, ctx, kind, device, [DEFAULT], key_offset, dispatched=True),
+                                *_decode_case(batch, ctx, kind, device, [DEFAULT], key_offset)):
+                        row.baseline_ms, row.baseline_name = sdpa, "bf16 SDPA (flash)"
+                        rows.append(row)
+                        print(f"{row.case} ({row.note}): {row.ours_ms:.4f} ms vs SDPA {sdpa:.4f} ms "
+                              f"({row.speedup:.2f}x)", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     rows += _rotation_and_store_rows(device)

@@ -1,5 +1,5 @@
-"""GPU sweep of the turbo decode kernel's launch settings:
-`python bench/turbo_decode_sweep.py [--default-only] [--offset] | --ncu`.
+"""GPU sweep of the turbo decode kernels' launch settings:
+`python bench/turbo_decode_sweep.py [--default-only] [--offset] [--quick] | --ncu`.
 
 Correctness first (the swept launch settings against decode-then-attend in bf16, real K/V written by the
 store kernel), then our decode against bf16 SDPA at the shapes the targets name: batch 8 at 64K and 16K and
@@ -10,6 +10,10 @@ compare two trees). ``--offset`` also checks and times every launch with engine-
 score term <q, o(p)>), next to the plain launch: turned (all D/2 rotate-half pairs) and partial with
 OFFSET_PAIRS pairs per KV head (`--kv-key-offset partial --kv-key-turned-pairs P`). Prints only; the recorded table comes from
 `python bench/kernels.py turbo`.
+The CUDA C kernel (attention_cuda.py) is checked beside the Triton settings (its default launch) and timed in
+each of CUDA_SETTINGS at its split rule and at the split counts of the setting's CTAs per SM, with every
+offset. ``--quick``: the batch-8 shapes only, the default Triton setting and the engine's partial offset
+(with ``--offset``).
 ``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
 """
 
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import kernels_turbo
 from bench.harness import require_gpu, time_ms
-from server.kernels.turbo import attention
+from server.kernels.turbo import attention, attention_cuda
 from server.kernels.turbo.attention import (
     attention_over_decoded_pages,
     decode_attention_triton,
@@ -48,6 +52,13 @@ SETTINGS = (
     ((16, 1, 80, 2), (20, 40)),
 )
 SHAPES = ((8, 65536, 32), (8, 16384, 32), (1, 65536, 32), (1, 65536, 16))  # batch, context, query heads
+# The CUDA kernel's launch settings (warps per CTA, CTAs per SM to fit in registers (None: min_blocks)) and the
+# CTAs per SM to size the splits for, besides its rule (the first: the default). H200 2026-11-30: 8 warps at the
+# rule's 4 splits win at b8/64K and b8/16K; a cp.async shared-memory ring (since dropped) lost 8-10 %.
+CUDA_SETTINGS = (
+    ((8, None), (2, 4)),
+    ((4, None), (4, 8)),
+)
 
 
 def _launch(setting) -> dict:
@@ -87,6 +98,17 @@ def _check_settings(device, settings, offsets) -> list[str]:
                 print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
                 if err >= 2e-2:
                     failures.append(name)
+        for splits in (None, 7):
+            out = attention_cuda.decode_attention_cuda(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
+                                                       store.key_offset, num_splits=splits)
+            name = (f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} CUDA C splits={splits}"
+                    f"{_offset_name(offset)}")
+            err = float("inf") if out is None else (out.float() - reference).abs().max().item() / \
+                reference.abs().max().item()
+            print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}"
+                  f"{' (kernel unavailable)' if out is None else ''}", flush=True)
+            if err >= 2e-2:
+                failures.append(name)
     return failures
 
 
@@ -116,7 +138,7 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     return time_ms(merge, n_inputs=len(metas), device=device)
 
 
-def _sweep_shape(batch, ctx, q_heads, settings, device, offsets) -> None:
+def _sweep_shape(batch, ctx, q_heads, settings, cuda_settings, device, offsets) -> None:
     sdpa = kernels_turbo.sdpa_ms(batch, ctx, q_heads, device)
     torch.cuda.empty_cache()
     store, metas, qs, turbo_bytes = kernels_turbo.random_decode_inputs(batch, ctx, q_heads, "turbo3", device)
@@ -138,6 +160,19 @@ def _sweep_shape(batch, ctx, q_heads, settings, device, offsets) -> None:
             print(f"  {label} {'/'.join(map(str, setting))} splits={chosen}{' (rule)' if splits is None else ''}"
                   f"{_offset_name(offset)}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
                   f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
+    for ((warps, blocks), programs_per_sm), offset in itertools.product(cuda_settings, offsets):
+        for splits in _split_counts(programs_per_sm, batch, ctx, attention_cuda.TILE * warps, device):
+            launch = dict(num_splits=splits, warps=warps, blocks=blocks)
+
+            def cuda(i, launch=launch, offset=offset):
+                return attention_cuda.decode_attention_cuda(qs[i], store.k, store.v, metas[i], scale, store.signs,
+                                                            store.inv_sqrt, key_offsets.get(offset), **launch)
+
+            ms = time_ms(cuda, n_inputs=len(qs), device=device)
+            chosen = attention_cuda.choose_splits(batch, KV_HEADS, ctx, device, warps) if splits is None else splits
+            print(f"  {label} CUDA C {warps} warps, blocks {blocks} splits={chosen}"
+                  f"{' (rule)' if splits is None else ''}{_offset_name(offset)}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
+                  f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
     splits = attention.choose_splits(batch, KV_HEADS, ctx, device)
     print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
           flush=True)
@@ -152,11 +187,14 @@ def main() -> int:
                                     store.inv_sqrt, **_launch(setting))
         torch.cuda.synchronize()
         return 0
-    settings = SETTINGS[:1] if "--default-only" in sys.argv else SETTINGS
+    quick = "--quick" in sys.argv
+    settings = SETTINGS[:1] if "--default-only" in sys.argv or quick else SETTINGS
     offsets = (None, 0, *OFFSET_PAIRS) if "--offset" in sys.argv else (None,)
+    if quick:
+        offsets = offsets[:1] + (kernels_turbo.ENGINE_TURNED_PAIRS,) * ("--offset" in sys.argv)
     failures = _check_settings(device, settings, offsets)
-    for batch, ctx, q_heads in SHAPES:
-        _sweep_shape(batch, ctx, q_heads, settings, device, offsets)
+    for batch, ctx, q_heads in SHAPES[:2] if quick else SHAPES:
+        _sweep_shape(batch, ctx, q_heads, settings, CUDA_SETTINGS, device, offsets)
         torch.cuda.empty_cache()
     print("all GPU correctness checks passed" if not failures else f"GPU correctness FAILED: {failures}")
     return 1 if failures else 0

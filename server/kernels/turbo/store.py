@@ -20,6 +20,7 @@ from server.kernels.backend import use_triton
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
+from server.kernels.turbo.attention_cuda import decode_attention_cuda
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
@@ -132,7 +133,10 @@ class TurboKVStore:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
         key_offset = self.key_offset if self.offset_turns else None
-        if use_triton(q) and meta.is_decode_only:
+        if use_triton(q) and meta.is_decode_only:  # the CUDA C kernel where it runs (attention_cuda.supports)
+            out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
+            if out is not None:
+                return out
             return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)

@@ -1,0 +1,222 @@
+"""The CUDA C turbo decode (attention_cuda.py) on the GPU vs a float64 oracle, the float32 decode-then-attend
+reference and the Triton decode: head dims 64/128/256, GQA 1-8, mixed K/V kinds, lengths around page and
+tile boundaries, shuffled block tables, page sizes that do and do not hold whole 16-token tiles, key
+offsets none/partial/turned, one and several splits, CUDA-graph replay at other lengths, and the
+fallbacks (None: the caller takes Triton).
+
+Skipped without CUDA: the kernel is CUDA C that NVRTC compiles at run time on an NVIDIA GPU (the CPU
+suite compiles nothing; bench/cuda_sass.py builds it offline for sm_90).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from test_attention import attention64, decode64, oracle, scenario
+from test_decode_key_offset import decode_case
+from test_key_offset import represented_keys
+
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.turbo import attention_cuda
+from server.kernels.turbo import store as store_module
+from server.kernels.turbo.attention import (
+    attention_over_decoded_pages,
+    decode_attention_triton,
+)
+from server.kernels.turbo.store import TurboKVStore
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="the CUDA C decode kernel needs an NVIDIA GPU (NVRTC compiles it there)")
+
+GPU = torch.device("cuda")
+MIXED_LENGTHS = [1, 2, 15, 16, 17, 1000]  # page 16: page_size - 1, page_size, page_size + 1; 1000: many tiles
+
+
+def on_gpu(store, meta, q, dtype):
+    """The CPU-built store's pages, signs and offset, the metadata and the queries (as ``dtype``) on the GPU."""
+    k, v = (dataclasses.replace(p, **{f.name: getattr(p, f.name).to(GPU) for f in dataclasses.fields(p)
+                                      if isinstance(getattr(p, f.name), torch.Tensor)}) for p in (store.k, store.v))
+    offset = store.key_offset
+    if offset is not None and store.offset_turns:
+        offset = type(offset)(*(getattr(offset, f.name).to(GPU) for f in dataclasses.fields(offset)))
+    else:
+        offset = None
+    meta = AttentionMetadata(meta.slot_mapping.to(GPU), meta.block_tables.to(GPU), meta.seq_lens.to(GPU),
+                             meta.query_start_loc.to(GPU), meta.seq_lens_cpu, meta.query_lens_cpu)
+    signs = tuple(s.to(GPU) for s in store.signs)
+    return k, v, offset, meta, q.to(GPU, dtype), signs
+
+
+def cuda_decode(store, meta, q, dtype=torch.float16, splits=None, triton=True, **launch):
+    """(CUDA decode, Triton decode or None) on the GPU, as float64 on the CPU. The Triton comparison is
+    optional: each of its specializations costs a JIT compile of seconds (device time)."""
+    k, v, offset, meta, q, signs = on_gpu(store, meta, q, dtype)
+    out = attention_cuda.decode_attention_cuda(q, k, v, meta, store.head_dim**-0.5, signs, store.inv_sqrt, offset,
+                                               num_splits=splits, **launch)
+    assert not attention_cuda._COUNTERS[q.device].any(), "the last CTA of each row must leave its split counter at 0"
+    assert out is not None, "the CUDA kernel refused a supported call (NVRTC missing or the source refused?)"
+    assert out.dtype == dtype and out.shape == q.shape
+    if not triton:
+        return out.double().cpu(), None
+    fused = decode_attention_triton(q, k, v, meta, store.head_dim**-0.5, signs, store.inv_sqrt, offset,
+                                    num_splits=splits)
+    return out.double().cpu(), fused.double().cpu()
+
+
+def assert_close(got, want, rel, what):
+    err = (got - want).abs().max().item()
+    tol = rel * want.abs().max().item()
+    assert err < tol, f"{what}: max abs error {err:.3g} >= {tol:.3g}"
+
+
+@pytest.mark.parametrize(
+    "head_dim,gqa,k_kind,v_kind",
+    [(64, 1, "turbo3", "turbo3"), (64, 8, "turbo2", "turbo4"), (64, 5, "turbo4", "turbo2"),
+     (128, 2, "turbo4", "turbo3"), (128, 3, "turbo3", "turbo3"), (128, 4, "turbo3", "turbo3"),
+     (128, 5, "turbo2", "turbo2"), (128, 8, "turbo4", "turbo4"), (256, 4, "turbo4", "turbo2"),
+     (256, 1, "turbo3", "turbo3"), (256, 8, "turbo2", "turbo3")],
+)
+def test_cuda_decode_matches_float64_and_triton(head_dim, gqa, k_kind, v_kind):
+    """fp16 queries: the error is the fp16 rounding of Q, P and the centroids (~1e-3 of the output's scale)."""
+    store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, gqa, head_dim, k_kind, v_kind,
+                              seed=head_dim + gqa)
+    want = oracle(q.half().double(), store, meta, head_dim**-0.5)
+    for splits in (1, 3, None):
+        got, triton = cuda_decode(store, meta, q, splits=splits, triton=gqa in (4, 8))
+        assert_close(got, want, 3e-3, f"CUDA decode, {splits} splits, vs float64")
+        if triton is not None:
+            assert_close(got, triton, 3e-3, f"CUDA decode, {splits} splits, vs Triton")
+
+
+@pytest.mark.parametrize("warps,blocks", [(4, None), (8, None)])
+def test_cuda_decode_launch_settings(warps, blocks):
+    """Both CTA widths of the benchmark's sweep (bench/turbo_decode_sweep.py) at any head dim: 4 warps (the
+    default at D = 256) and 8 (the default elsewhere; at D = 256 their outputs do not fit in shared memory:
+    None, a Triton fallback), with and without a key offset."""
+    wide = 128 if warps == 8 else 256
+    for head_dim, gqa, k_kind, v_kind in ((64, 3, "turbo3", "turbo4"), (wide, 2, "turbo4", "turbo3")):
+        store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, gqa, head_dim, k_kind, v_kind,
+                                  seed=warps)
+        want = oracle(q.half().double(), store, meta, head_dim**-0.5)
+        for splits in (1, 3):
+            got, _ = cuda_decode(store, meta, q, splits=splits, triton=False, warps=warps, blocks=blocks)
+            assert_close(got, want, 3e-3, f"{warps} warps, {blocks} blocks, {splits} splits")
+    store, meta, q, _ = decode_case([1, 17, 300], 2, 4, 128, "turbo3", "turbo3", 500000.0, seed=5, turned_pairs=8)
+    want = attention64(q.half().double(), represented_keys(store, meta.block_tables, meta.seq_lens_cpu),
+                       decode64(store.v, 128), meta, 128**-0.5)
+    got, _ = cuda_decode(store, meta, q, splits=2, triton=False, warps=warps, blocks=blocks)
+    assert_close(got, want, 3e-3, f"{warps} warps, {blocks} blocks, key offset")
+    if warps == 8:
+        store, meta, q = scenario([40], [1], 1, 2, 256, "turbo3", "turbo3", seed=1)
+        k, v, _, gmeta, gq, signs = on_gpu(store, meta, q, torch.float16)
+        assert attention_cuda.decode_attention_cuda(gq, k, v, gmeta, 0.0625, signs, store.inv_sqrt, warps=8) is None
+
+
+def test_cuda_decode_with_bf16_queries_within_bf16_rounding():
+    store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, 4, 128, "turbo3", "turbo4", seed=3)
+    want = oracle(q.bfloat16().double(), store, meta, 128**-0.5)
+    got, triton = cuda_decode(store, meta, q, dtype=torch.bfloat16)
+    assert_close(got, want, 1.5e-2, "bf16 CUDA decode vs float64")  # bf16 output: 2^-8 relative rounding
+    assert_close(got, triton, 1.5e-2, "bf16 CUDA decode vs Triton")
+
+
+def paged_store(seq_lens, page_size, kv_heads, head_dim, k_kind, v_kind, seed):
+    """Random K/V in shuffled pages of ``page_size`` tokens (not 16: the oracle's pages are), decode metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_needed) + 1
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
+    store = TurboKVStore(num_pages, page_size, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
+    for s, n in enumerate(seq_lens):
+        tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
+        slots = tables[s, torch.arange(n) // page_size].long() * page_size + torch.arange(n) % page_size
+        store.write(torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.5,
+                    torch.randn(n, kv_heads, head_dim, generator=gen), slots, torch.arange(n))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.arange(len(seq_lens) + 1, dtype=torch.int32), list(seq_lens), [1] * len(seq_lens))
+    return store, meta
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 17, 32, 48])
+def test_cuda_decode_any_page_size(page_size):
+    """Pages of a multiple of 16 tokens hold whole tiles (one block-table entry per tile); others take rows per
+    token."""
+    lengths = [1, page_size - 1 or 2, page_size, page_size + 1, 333]
+    store, meta = paged_store(lengths, page_size, 2, 128, "turbo3", "turbo4", seed=page_size)
+    q = torch.randn(len(lengths), 6, 128, generator=torch.Generator().manual_seed(1))
+    want = attention_over_decoded_pages(q.half().double().float(), store.k, store.v, "turbo3", "turbo4", meta,
+                                        128**-0.5).double()
+    for splits in (1, 4):
+        got, _ = cuda_decode(store, meta, q, splits=splits, triton=False)
+        assert_close(got, want, 3e-3, f"page {page_size}, {splits} splits, vs decode-then-attend")
+
+
+@pytest.mark.parametrize(
+    "head_dim,gqa,k_kind,v_kind,theta,turned_pairs",
+    [(128, 4, "turbo3", "turbo3", 500000.0, 8), (128, 2, "turbo4", "turbo3", 10000.0, 1),
+     (64, 3, "turbo3", "turbo2", 500000.0, 12), (128, 8, "turbo2", "turbo3", 10000.0, None),
+     (256, 2, "turbo3", "turbo4", 10000.0, 5), (64, 1, "turbo4", "turbo4", 500000.0, None)],
+)
+def test_cuda_decode_with_key_offset_matches_float64(head_dim, gqa, k_kind, v_kind, theta, turned_pairs):
+    """Partial offsets (1, 5, 8 pairs: one pair tile; 12: two) and turned ones (all D/2 pairs); position 0 (the
+    sink) in the first of 1-5 splits; the oracle adds o(p) to the decoded keys in float64."""
+    store, meta, q, _ = decode_case([1, 2, 15, 16, 17, 300], 2, gqa, head_dim, k_kind, v_kind, theta,
+                                    seed=head_dim + gqa, turned_pairs=turned_pairs)
+    tables = meta.block_tables
+    want = attention64(q.half().double(), represented_keys(store, tables, meta.seq_lens_cpu),
+                       decode64(store.v, head_dim), meta, head_dim**-0.5)
+    for splits in (1, 2, 5):
+        got, triton = cuda_decode(store, meta, q, splits=splits, triton=turned_pairs in (8, None) and gqa > 1)
+        assert_close(got, want, 3e-3, f"CUDA decode with offset, {splits} splits, vs float64")
+        if triton is not None:
+            assert_close(got, triton, 3e-3, f"CUDA decode with offset, {splits} splits, vs Triton")
+
+
+def test_cuda_decode_replays_in_a_cuda_graph_at_other_lengths():
+    """Captured once (the engine captures decode), replayed after the lengths change in place: the same as eager,
+    and a seq_len-0 padding row comes out zero."""
+    store, meta, q = scenario([1000, 45, 3], [1, 1, 1], 2, 4, 128, "turbo3", "turbo3", seed=7)
+    k, v, _, meta, q, signs = on_gpu(store, meta, q, torch.float16)
+    hinted = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens.clone(), meta.query_start_loc,
+                               [1000] * 3, [1] * 3)
+
+    def decode():
+        return attention_cuda.decode_attention_cuda(q, k, v, hinted, 128**-0.5, signs, store.inv_sqrt)
+
+    decode()  # compiles, and warms the caches a capture only reads
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    hinted.seq_lens.copy_(torch.tensor([700, 0, 3], dtype=torch.int32))
+    graph.replay()
+    eager_meta = AttentionMetadata(meta.slot_mapping, meta.block_tables, hinted.seq_lens, meta.query_start_loc,
+                                   [700, 0, 3], [1] * 3)
+    eager = attention_cuda.decode_attention_cuda(q, k, v, eager_meta, 128**-0.5, signs, store.inv_sqrt)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from eager at the new lengths"
+    assert out[1].eq(0).all(), "a seq_len-0 row must come out zero"
+
+
+def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
+    """fp32 queries, more than 8 query heads per KV head, or TURBOSERVE_CUDA_KERNELS=0: None (Triton serves).
+    TurboKVStore.attend's decode step takes the CUDA kernel where it runs."""
+    store, meta, q = scenario([40, 3], [1, 1], 1, 16, 64, "turbo3", "turbo3", seed=9)
+    k, v, _, gmeta, gq, signs = on_gpu(store, meta, q, torch.float16)
+    args = (k, v, gmeta, 0.125, signs, store.inv_sqrt)
+    assert attention_cuda.decode_attention_cuda(gq, *args) is None, "GQA 16 must fall back"
+    assert attention_cuda.decode_attention_cuda(gq[:, :8].float(), *args) is None, "fp32 queries must fall back"
+    monkeypatch.setenv("TURBOSERVE_CUDA_KERNELS", "0")
+    assert attention_cuda.decode_attention_cuda(gq[:, :8].contiguous(), *args) is None, "the switch must turn it off"
+    monkeypatch.delenv("TURBOSERVE_CUDA_KERNELS")
+
+    store, meta, q = scenario([40, 3], [1, 1], 2, 4, 64, "turbo3", "turbo4", seed=10)
+    gpu_store = TurboKVStore(1, 16, 2, 64, "turbo3", "turbo4", GPU, torch.float16)
+    gpu_store.k, gpu_store.v, _, gmeta, gq, _ = on_gpu(store, meta, q, torch.float16)
+    calls = []
+    real = store_module.decode_attention_cuda
+    monkeypatch.setattr(store_module, "decode_attention_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = gpu_store.attend(gq, gmeta, 0.125).double().cpu()
+    assert calls == [1], "the decode step did not take the CUDA kernel"
+    assert_close(got, oracle(q.half().double(), store, meta, 0.125), 3e-3, "store.attend decode vs float64")
