@@ -17,7 +17,7 @@ from test_decode_key_offset import decode_case
 from test_key_offset import represented_keys
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo import attention_cuda
+from server.kernels.turbo import attention, attention_cuda
 from server.kernels.turbo import store as store_module
 from server.kernels.turbo.attention import (
     attention_over_decoded_pages,
@@ -25,8 +25,8 @@ from server.kernels.turbo.attention import (
 )
 from server.kernels.turbo.store import TurboKVStore
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the CUDA C decode kernel needs an NVIDIA GPU (NVRTC compiles it there)")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="the CUDA C decode kernel needs an NVIDIA GPU (NVRTC compiles it there)")
 
 GPU = torch.device("cuda")
 MIXED_LENGTHS = [1, 2, 15, 16, 17, 1000]  # page 16: page_size - 1, page_size, page_size + 1; 1000: many tiles
@@ -69,6 +69,7 @@ def assert_close(got, want, rel, what):
     assert err < tol, f"{what}: max abs error {err:.3g} >= {tol:.3g}"
 
 
+@needs_gpu
 @pytest.mark.parametrize(
     "head_dim,gqa,k_kind,v_kind",
     [(64, 1, "turbo3", "turbo3"), (64, 8, "turbo2", "turbo4"), (64, 5, "turbo4", "turbo2"),
@@ -88,6 +89,7 @@ def test_cuda_decode_matches_float64_and_triton(head_dim, gqa, k_kind, v_kind):
             assert_close(got, triton, 3e-3, f"CUDA decode, {splits} splits, vs Triton")
 
 
+@needs_gpu
 @pytest.mark.parametrize("warps,blocks", [(4, None), (8, None)])
 def test_cuda_decode_launch_settings(warps, blocks):
     """Both CTA widths of the benchmark's sweep (bench/turbo_decode_sweep.py) at any head dim: 4 warps (the
@@ -112,6 +114,7 @@ def test_cuda_decode_launch_settings(warps, blocks):
         assert attention_cuda.decode_attention_cuda(gq, k, v, gmeta, 0.0625, signs, store.inv_sqrt, warps=8) is None
 
 
+@needs_gpu
 def test_cuda_decode_with_bf16_queries_within_bf16_rounding():
     store, meta, q = scenario(MIXED_LENGTHS, [1] * len(MIXED_LENGTHS), 2, 4, 128, "turbo3", "turbo4", seed=3)
     want = oracle(q.bfloat16().double(), store, meta, 128**-0.5)
@@ -138,6 +141,7 @@ def paged_store(seq_lens, page_size, kv_heads, head_dim, k_kind, v_kind, seed):
     return store, meta
 
 
+@needs_gpu
 @pytest.mark.parametrize("page_size", [1, 5, 17, 32, 48])
 def test_cuda_decode_any_page_size(page_size):
     """Pages of a multiple of 16 tokens hold whole tiles (one block-table entry per tile); others take rows per
@@ -152,6 +156,7 @@ def test_cuda_decode_any_page_size(page_size):
         assert_close(got, want, 3e-3, f"page {page_size}, {splits} splits, vs decode-then-attend")
 
 
+@needs_gpu
 @pytest.mark.parametrize(
     "head_dim,gqa,k_kind,v_kind,theta,turned_pairs",
     [(128, 4, "turbo3", "turbo3", 500000.0, 8), (128, 2, "turbo4", "turbo3", 10000.0, 1),
@@ -173,6 +178,7 @@ def test_cuda_decode_with_key_offset_matches_float64(head_dim, gqa, k_kind, v_ki
             assert_close(got, triton, 3e-3, f"CUDA decode with offset, {splits} splits, vs Triton")
 
 
+@needs_gpu
 def test_cuda_decode_replays_in_a_cuda_graph_at_other_lengths():
     """Captured once (the engine captures decode), replayed after the lengths change in place: the same as eager,
     and a seq_len-0 padding row comes out zero."""
@@ -199,6 +205,7 @@ def test_cuda_decode_replays_in_a_cuda_graph_at_other_lengths():
     assert out[1].eq(0).all(), "a seq_len-0 row must come out zero"
 
 
+@needs_gpu
 def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
     """fp32 queries, more than 8 query heads per KV head, or TURBOSERVE_CUDA_KERNELS=0: None (Triton serves).
     TurboKVStore.attend's decode step takes the CUDA kernel where it runs."""
@@ -220,3 +227,19 @@ def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
     got = gpu_store.attend(gq, gmeta, 0.125).double().cpu()
     assert calls == [1], "the decode step did not take the CUDA kernel"
     assert_close(got, oracle(q.half().double(), store, meta, 0.125), 3e-3, "store.attend decode vs float64")
+
+
+@pytest.mark.parametrize("batch,context,splits", [(8, 65536, 4), (8, 16384, 4), (1, 65536, 33), (32, 4096, 1)])
+def test_split_rule_fills_one_wave_of_ctas(monkeypatch, batch, context, splits):
+    """One wave of 8-warp CTAs (2 per SM at 128 registers) on 132 SMs; b8 at 64K and 16K: the measured best
+    (4 splits beat 8 at both, H200, bench/turbo_decode_sweep.py)."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    assert attention_cuda.choose_splits(batch, 8, context, GPU) == splits
+
+
+def test_cta_width_fits_static_shared_memory():
+    """8-warp CTAs except at D = 256, where their outputs (64 KB) exceed the 48 KB a launch gets without opt-in."""
+    assert [attention_cuda.default_warps(d, 1) for d in (64, 128, 256)] == [8, 8, 4]
+    assert attention_cuda.default_warps(128, 8) == 8  # a turned offset's terms share the space
+    for head_dim in (64, 128, 256):
+        assert attention_cuda._shared_bytes(head_dim, 16, attention_cuda.default_warps(head_dim, 16)) <= 48 * 1024
