@@ -4,8 +4,9 @@ tile boundaries, shuffled block tables, page sizes that do and do not hold whole
 offsets none/partial/turned, one and several splits, CUDA-graph replay at other lengths, and the
 fallbacks (None: the caller takes Triton).
 
-Skipped without CUDA: the kernel is CUDA C that NVRTC compiles at run time on an NVIDIA GPU (the CPU
-suite compiles nothing; bench/cuda_sass.py builds it offline for sm_90).
+The kernel cases are skipped without CUDA: the kernel is CUDA C that NVRTC compiles at run time on an NVIDIA
+GPU (the CPU suite compiles nothing; bench/cuda_sass.py builds it offline for sm_90). The split rule and the
+CTA width are plain Python, checked everywhere.
 """
 
 import dataclasses
