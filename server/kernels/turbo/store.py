@@ -24,7 +24,7 @@ from server.kernels.turbo.attention_cuda import decode_attention_cuda
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
-from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
+from server.kernels.turbo.quantize import TurboPages, store_turbo
 
 
 def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
@@ -116,8 +116,8 @@ class TurboKVStore:
             if t.shape != (k.shape[0],):
                 raise ValueError(f"{name} must have one entry per token ({k.shape[0]}), got {tuple(t.shape)}")
         if use_triton(k):
-            store_turbo_triton(k, v, slot_mapping, positions, self.k, self.v, self.signs, self.inv_sqrt,
-                               self.key_offset, self.offset_turns)
+            store_turbo(k, v, slot_mapping, positions, self.k, self.v, self.signs, self.inv_sqrt, self.key_offset,
+                        self.offset_turns)
             return
         keep = slot_mapping >= 0  # a negative slot marks a padding token
         slots = slot_mapping[keep].long()

@@ -122,3 +122,107 @@ def test_an_exact_tie_goes_to_the_upper_index_on_both_sides(sign):
     want[[3, 40]] = 3 if sign > 0 else 1
     want[[10, 50]] = 1 if sign > 0 else 3
     assert torch.equal(got.flatten().int(), want), got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors reach Triton through the interpreter, which "
+                    "tests/conftest.py turns on only on machines without a GPU")
+def test_the_engine_store_takes_the_triton_kernel_where_cuda_c_cannot_run():
+    """quantize.store_turbo: CPU tensors (and head dims the CUDA kernel does not take) go to store_turbo_triton."""
+    from server.kernels.turbo.quantize import store_turbo
+    from server.kernels.turbo.store_cuda import store_turbo_cuda, supports
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2, 128, generator=gen)
+    slots, positions = torch.tensor([4, -1, 17]), torch.arange(3)
+    assert not supports(x, x, slots, positions)
+    assert store_turbo_cuda(x, x, slots, positions, None, None) is False  # refused before touching the pages
+    ours = TurboKVStore(2, PAGE, 2, 128, "turbo3", "turbo4", "cpu", torch.float32)
+    triton = TurboKVStore(2, PAGE, 2, 128, "turbo3", "turbo4", "cpu", torch.float32)
+    store_turbo(x, x, slots, positions, ours.k, ours.v, ours.signs, ours.inv_sqrt)
+    store_turbo_triton(x, x, slots, positions, triton.k, triton.v, triton.signs, triton.inv_sqrt)
+    for a, b in ((ours.k, triton.k), (ours.v, triton.v)):
+        assert a.codes.any() and torch.equal(a.codes, b.codes) and torch.equal(a.norms, b.norms)
+
+
+def _cuda_case(head_dim, k_kind, v_kind, offset_kind, dtype, tokens, heads, gen):
+    """(max index mismatch share, max norm relative error, writes outside the slots) of store_turbo_cuda against
+    format.quantize_reference of k - o(p) and v; k and v are views into one qkv tensor, as the engine's are."""
+    from server.kernels.turbo.format import quantize_reference
+    from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+    from server.kernels.turbo.store_cuda import store_turbo_cuda
+
+    device = torch.device("cuda")
+    store = TurboKVStore(-(-tokens // PAGE) * 2, PAGE, heads, head_dim, k_kind, v_kind, device, dtype)
+    half = head_dim // 2
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    mean, const, sink = (torch.randn(heads, head_dim, generator=gen) * 3 for _ in range(3))
+    if offset_kind == "fixed":
+        store.set_key_offset(KeyOffset.fixed(const.to(device), inv_freq.to(device)))
+    elif offset_kind.startswith("partial"):
+        count = int(offset_kind[7:] or 5)
+        pairs = torch.stack([torch.randperm(half, generator=gen)[:count] for _ in range(heads)]).int()
+        turn = torch.zeros(heads, half, dtype=torch.bool).scatter_(1, pairs.long(), True).repeat(1, 2)
+        store.set_key_offset(KeyOffset(*(t.to(device) for t in (const * ~turn, mean * turn, sink, inv_freq, pairs))))
+    positions = torch.randperm(4 * tokens, generator=gen)[:tokens]
+    positions[1] = 0  # the sink's position
+    positions = positions.to(device)
+    offsets = (torch.zeros(tokens, heads, head_dim, device=device) if store.key_offset is None
+               else key_offset_at(store.key_offset, positions))
+    qkv = torch.randn(tokens, 3 * heads, head_dim, generator=gen).to(device) * 2
+    qkv[:, heads : 2 * heads] += offsets
+    qkv[4, 2 * heads :] = 0.0  # a zero row of V
+    qkv = qkv.to(dtype)
+    k, v = qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+    slots = torch.randperm(store.k.codes.shape[0] * PAGE, generator=gen)[:tokens]
+    slots[2] = -1  # padding
+    slots = slots.to(device)
+    assert store_turbo_cuda(k, v, slots, positions, store.k, store.v, store.key_offset, store.offset_turns)
+    keep = slots >= 0
+    worst = [0.0, 0.0, False]
+    for pages, kind, x in ((store.k, k_kind, k.float() - offsets), (store.v, v_kind, v.float())):
+        codes, norms = quantize_reference(x[keep], kind)
+        s = slots[keep]
+        got = unpack_indices(pages.codes[s // PAGE, :, s % PAGE], pages.bits, head_dim)
+        want = unpack_indices(codes, pages.bits, head_dim)
+        same = (got == want).reshape(*got.shape[:-1], norms.shape[-1], -1).all(-1)
+        got_norms = pages.norms[s // PAGE, :, s % PAGE].float()
+        rel = ((got_norms - norms.float()).abs() / norms.float().clamp_min(1e-6))[same]
+        written = torch.zeros(pages.codes.shape[0] * PAGE, dtype=torch.bool, device=device)
+        written[s] = True
+        stray = pages.codes.transpose(1, 2).reshape(-1, heads * pages.codes.shape[3])[~written].ne(0).any().item()
+        worst = [max(worst[0], (got != want).float().mean().item()), max(worst[1], rel.max().item()), worst[2] or stray]
+    return worst
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA C store kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("head_dim,k_kind,v_kind,offset_kind,dtype", [
+    (128, "turbo3", "turbo3", "partial", torch.bfloat16), (128, "turbo3", "turbo3", "partial16", torch.bfloat16),
+    (128, "turbo4", "turbo2", "fixed", torch.float16), (128, "turbo2", "turbo4", "none", torch.bfloat16),
+    (256, "turbo4", "turbo3", "partial", torch.float16), (256, "turbo3", "turbo2", "none", torch.bfloat16),
+])
+def test_the_cuda_store_matches_the_reference_quantizer(head_dim, k_kind, v_kind, offset_kind, dtype):
+    """Odd token and head counts (a last warp item part full), a padding slot, a zero row, the sink's position,
+    K and V as strided views: indices as the reference's (a value within an ulp or two of a midpoint may differ),
+    norms to fp16 rounding, nothing written outside the slots."""
+    from server.kernels import nvrtc
+
+    if not nvrtc.cuda_kernels_enabled(torch.device("cuda")):
+        pytest.skip("CUDA C kernels are switched off here (nvrtc.cuda_kernels_enabled)")
+    gen = torch.Generator().manual_seed(head_dim + len(offset_kind))
+    mismatch, norm_err, stray = _cuda_case(head_dim, k_kind, v_kind, offset_kind, dtype, 77, 3, gen)
+    assert mismatch < 1e-3 and norm_err < 1e-3 and not stray, (mismatch, norm_err, stray)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA C store kernel needs an NVIDIA GPU")
+def test_the_cuda_store_leaves_more_turned_pairs_than_it_takes_to_triton():
+    from server.kernels.turbo.key_offset import KeyOffset
+    from server.kernels.turbo.store_cuda import MAX_PAIRS, supports
+
+    x = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    slots = positions = torch.arange(4, device="cuda")
+    zeros = torch.zeros(2, 128, device="cuda")
+    turned = KeyOffset.turned(zeros, zeros, torch.ones(64, device="cuda"))
+    few = KeyOffset(zeros, zeros, zeros, torch.ones(64, device="cuda"), turned.pairs[:, :MAX_PAIRS].contiguous())
+    assert not supports(x, x, slots, positions, turned, True)
+    assert supports(x, x, slots, positions, turned, False)  # a fixed offset turns nothing
+    assert supports(x, x, slots, positions, few, True) == supports(x, x, slots, positions)
