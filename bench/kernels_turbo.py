@@ -35,7 +35,7 @@ from server.kernels.turbo import attention, attention_cuda
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
-from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton
+from server.kernels.turbo.quantize import store_turbo
 from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
@@ -275,10 +275,11 @@ def _rotation_and_store_rows(device) -> list[Row]:
         moved = 2 * k.numel() * 2 + pages_bytes + slots.numel() * 8 + positions.numel() * 8
         offset = engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(1))
         store.set_key_offset(KeyOffset.fixed(offset.mean, offset.inv_freq))  # the default, fixed
-        ms = time_ms(lambda _: store_turbo_triton(k, v, slots, positions, store.k, store.v, store.signs,
-                                                  store.inv_sqrt, store.key_offset, store.offset_turns), device=device)
+        ms = time_ms(lambda _: store_turbo(k, v, slots, positions, store.k, store.v, store.signs, store.inv_sqrt,
+                                           store.key_offset, store.offset_turns), device=device)
         rows.append(Row(f"store {kind}, {tokens} tokens x 8 heads, K+V, fixed key offset", ms, dense_ms, moved,
-                        "bf16 index_copy_ of K and V", f"{STORE_LAUNCH} (bench/turbo_store_sweep.py sweeps it)"))
+                        "bf16 index_copy_ of K and V", "the engine's store: CUDA C where it runs, else Triton "
+                        "(bench/turbo_store_sweep.py times both)"))
     return rows
 
 

@@ -1,15 +1,21 @@
-"""SASS instruction counts of the turbo store kernel's tile loop, compiled for sm_90 on any machine.
+"""SASS instruction counts of the turbo store kernels' loops, compiled for sm_90 on any machine.
 
-`python bench/turbo_store_sass.py` prints, for turbo3 and turbo4 K/V (head_dim 128, 8 KV heads, key
-offset on) and a few tile settings: registers, and the instructions of the wider tile loop (K or V) per
-stored value with its most common opcodes. A proxy for issue-bound work, not a speed measurement
-(bench/turbo_store_sweep.py times the kernel on the GPU).
+`python bench/turbo_store_sass.py` prints, for turbo3 and turbo4 K/V (head_dim 128, 8 KV heads):
+  * the Triton kernel (key offset turned) at a few tile settings: registers, and the instructions of the
+    wider tile loop (K or V) per stored value with its most common opcodes;
+  * the CUDA C kernel (store_cuda.py; needs a local NVRTC, see bench/cuda_sass.py) without and with a
+    fixed key offset, built with one copy of the body for K and V (CudaStoreLaunch.one_body, so that one loop is
+    counted): registers, spills, and the item loop's instructions per stored value (one thread stores
+    128 values per item). The partial offset adds a loop over the pairs (not counted here).
+A proxy for issue-bound work, not a speed measurement (bench/turbo_store_sweep.py times the kernels on
+the GPU).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,7 +30,7 @@ from server.kernels.turbo import quantize  # noqa: E402
 
 TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", "k_codes": "*u8", "v_codes": "*u8",
          "k_norms": "*fp16", "v_norms": "*fp16", "k_mid": "*fp32", "v_mid": "*fp32", "k_cent": "*fp32",
-         "v_cent": "*fp32", "pos_ptr": "*i64", "k_mean": "*fp32", "k_sink": "*fp32", "inv_freq": "*fp32",
+         "v_cent": "*fp32", "pos_ptr": "*i64", "k_const": "*fp32", "k_mean": "*fp32", "k_sink": "*fp32", "inv_freq": "*fp32",
          "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32"}
 SETTINGS = [(16, 4), (32, 4), (64, 8)]  # (rows per tile, warps)
 
@@ -49,7 +55,38 @@ def store_loop(bits: int, rows: int, warps: int) -> tuple[list[str], dict]:
     return main_loop(sass.stdout), resources
 
 
+def cuda_lines() -> list[str]:
+    from bench.cuda_sass import nvrtc_ptx, sm90_cubin
+    from server.kernels.turbo import store_cuda
+
+    lines = []
+    for bits in (3, 4):
+        for offset, name in ((store_cuda.OFFSET_NONE, "plain"), (store_cuda.OFFSET_FIXED, "fixed offset")):
+            # one copy of the body (ONE_BODY): with two, the compiler interleaves K's and V's loops
+            launch = store_cuda.CudaStoreLaunch(one_body=True)
+            cubin, report = sm90_cubin(nvrtc_ptx(store_cuda.source(bits, bits, 128, 8, 16, offset, launch=launch)))
+            spills = re.search(r"(\d+) bytes spill stores", report).group(1)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(cubin)
+                f.flush()
+                sass = subprocess.run([TOOLS / "cuobjdump", "-sass", f.name], capture_output=True, text=True,
+                                      check=True)
+                usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
+                                       check=True)
+            loop = main_loop(sass.stdout)
+            regs = re.search(r"REG:(\d+)", usage.stdout).group(1)
+            opcodes = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in loop)
+            lines.append(f"CUDA C turbo{bits}, {name}: {regs} registers, {spills} bytes spilled, item loop {len(loop)} "
+                         f"instructions = {len(loop) / 128:.1f} per value; "
+                         + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(10)))
+    return lines
+
+
 def main() -> None:
+    try:
+        print("\n".join(cuda_lines()))
+    except (SystemExit, OSError, RuntimeError) as error:  # no local NVRTC: the Triton counts still print
+        print(f"CUDA C kernel not built: {error}")
     for bits in (3, 4):
         for rows, warps in SETTINGS:
             loop, resources = store_loop(bits, rows, warps)
