@@ -39,7 +39,7 @@ from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
 from server.kernels.turbo.key_offset import KeyOffset
 from server.kernels.turbo.sincos import sincos
-from server.kernels.turbo.store_cuda import store_turbo_cuda
+from server.kernels.turbo.store_cuda import fills_a_wave, store_turbo_cuda
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,9 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
 def store_turbo(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                 k_pages: TurboPages, v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                 key_offset: KeyOffset | None = None, key_offset_turns: bool = True) -> None:
-    """The engine's store: the CUDA C kernel (store_cuda.py) where it runs, else store_turbo_triton; same contract."""
-    if not store_turbo_cuda(k, v, slot_mapping, positions, k_pages, v_pages, key_offset, key_offset_turns):
+    """The engine's store: the CUDA C kernel (store_cuda.py) where it runs and the call fills a wave of it (prefill
+    chunks), else store_turbo_triton (decode steps: store_cuda.fills_a_wave says why); same contract."""
+    if not (fills_a_wave(k.shape[0], k.shape[1], k.shape[2], k.device)
+            and store_turbo_cuda(k, v, slot_mapping, positions, k_pages, v_pages, key_offset, key_offset_turns)):
         store_turbo_triton(k, v, slot_mapping, positions, k_pages, v_pages, signs, inv_sqrt, key_offset,
                            key_offset_turns)

@@ -431,6 +431,23 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def fills_a_wave(num_tokens: int, heads: int, head_dim: int, device: torch.device,
+                 launch: CudaStoreLaunch = CUDA_STORE_LAUNCH) -> bool:
+    """Whether a call gives every resident warp an item (32 tokens of one head's group, K and V side), which is
+    where this kernel beats the Triton one (quantize.store_turbo asks before dispatching here).
+
+    An item costs its warp about the same time however few of its 32 tokens are real, since each lane runs a
+    whole group serially (32K tokens x 8 heads: 16,384 items, about ten waves of 132 SMs x 12 warps, in
+    0.13 ms). Below one wave the Triton kernel, which spreads a row over threads, wins: a decode step's one
+    token per sequence. H200 (2026-11-30 09:19 UTC, `bench/e2e.py` depth-2048 shape, turbo3, b1 @ 16K, 24
+    layers): this kernel at every store 456 tok/s, the Triton store at decode steps 589 tok/s.
+    """
+    if device.type != "cuda":
+        return False
+    items = -(-num_tokens // 32) * heads * max(1, head_dim // GROUP)
+    return items >= _multiprocessors(device) * launch.min_blocks * launch.warps // 2
+
+
 def store_turbo_cuda(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                      k_pages, v_pages, key_offset: KeyOffset | None = None, key_offset_turns: bool = True,
                      launch: CudaStoreLaunch = CUDA_STORE_LAUNCH) -> bool:

@@ -226,3 +226,22 @@ def test_the_cuda_store_leaves_more_turned_pairs_than_it_takes_to_triton():
     assert not supports(x, x, slots, positions, turned, True)
     assert supports(x, x, slots, positions, turned, False)  # a fixed offset turns nothing
     assert supports(x, x, slots, positions, few, True) == supports(x, x, slots, positions)
+
+
+def test_decode_steps_store_through_triton_and_prefill_chunks_through_cuda_c(monkeypatch):
+    """store_cuda.fills_a_wave: the CUDA C store only where its items (32 tokens of one head) fill the resident
+    warps of every SM (H200: 132 SMs x 12 warps, K and V sharing them), since an item costs a warp the same time
+    with 1 real token as with 32 (the 09:19 UTC e2e measurement in its docstring)."""
+    from server.kernels.turbo import store_cuda
+
+    monkeypatch.setattr(store_cuda, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    one_wave_of_items = 132 * 12 // 2
+    for batch in (1, 32, 256):  # a decode step: one token per sequence
+        assert not store_cuda.fills_a_wave(batch, 8, 128, cuda)
+    assert store_cuda.fills_a_wave(8192, 8, 128, cuda)  # a prefill chunk
+    tokens = 32 * one_wave_of_items // 8  # 8 heads of one group each
+    assert store_cuda.fills_a_wave(tokens, 8, 128, cuda)
+    assert not store_cuda.fills_a_wave(tokens - 32, 8, 128, cuda)
+    assert store_cuda.fills_a_wave(tokens // 2, 8, 256, cuda), "two groups per head: twice the items"
+    assert not store_cuda.fills_a_wave(8192, 8, 128, torch.device("cpu"))
