@@ -3,6 +3,7 @@
 The fast path runs on CUDA/ROCm tensors when Triton imports; everything else (CPU, a
 platform without Triton, TURBOSERVE_REFERENCE_KERNELS=1) takes the reference, which
 defines the op. Tests call the Triton launchers directly under TRITON_INTERPRET=1.
+A few hot paths also have a CUDA C body (nvrtc.py) that NVIDIA GPUs run in place of the Triton one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import os
 
 import torch
+
+from server.kernels import nvrtc
 
 log = logging.getLogger(__name__)
 
@@ -41,4 +44,6 @@ def describe(device: torch.device) -> str:
         return "reference torch kernels (Triton is not installed)"
     if os.environ.get("TURBOSERVE_REFERENCE_KERNELS") == "1":
         return "reference torch kernels (TURBOSERVE_REFERENCE_KERNELS=1)"
+    if nvrtc.cuda_kernels_enabled(device):
+        return "Triton fast kernels, CUDA C through NVRTC where Triton cannot reach (server/kernels/nvrtc.py)"
     return "Triton fast kernels"

@@ -16,3 +16,14 @@ def test_inline_ptx_only_for_cuda_builds_outside_the_interpreter(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not backend.inline_ptx(cuda)
+
+
+def test_the_start_up_line_names_cuda_c_only_where_it_runs(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    for name in ("TURBOSERVE_CUDA_KERNELS", "TURBOSERVE_REFERENCE_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    assert "CUDA C" in backend.describe(cuda)
+    monkeypatch.setenv("TURBOSERVE_CUDA_KERNELS", "0")
+    assert backend.describe(cuda) == "Triton fast kernels"
