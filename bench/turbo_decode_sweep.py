@@ -1,5 +1,5 @@
 """GPU sweep of the turbo decode kernels' launch settings:
-`python bench/turbo_decode_sweep.py [--default-only] [--offset] [--quick] | --ncu`.
+`python bench/turbo_decode_sweep.py [--default-only] [--offset] [--quick] [--cuda] | --ncu`.
 
 Correctness first (the swept launch settings against decode-then-attend in bf16, real K/V written by the
 store kernel), then our decode against bf16 SDPA at the shapes the targets name: batch 8 at 64K and 16K and
@@ -12,8 +12,9 @@ OFFSET_PAIRS pairs per KV head (`--kv-key-offset partial --kv-key-turned-pairs P
 `python bench/kernels.py turbo`.
 The CUDA C kernel (attention_cuda.py) is checked beside the Triton settings (its default launch) and timed in
 each of CUDA_SETTINGS at its split rule and at the split counts of the setting's CTAs per SM, with every
-offset. ``--quick``: the batch-8 shapes only, the default Triton setting and the engine's partial offset
-(with ``--offset``).
+offset; both builds of its scores (fp16 and int8 mmas, attention_cuda.INT8_KEYS) are checked, and timed as
+CUDA_SETTINGS says. ``--quick``: the batch-8 shapes only, the default Triton setting and the engine's partial
+offset (with ``--offset``). ``--cuda``: the CUDA C kernel alone (no Triton checks or timings, no merge alone).
 ``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
 """
 
@@ -52,12 +53,13 @@ SETTINGS = (
     ((16, 1, 80, 2), (20, 40)),
 )
 SHAPES = ((8, 65536, 32), (8, 16384, 32), (1, 65536, 32), (1, 65536, 16))  # batch, context, query heads
-# The CUDA kernel's launch settings (warps per CTA, CTAs per SM to fit in registers (None: min_blocks)) and the
-# CTAs per SM to size the splits for, besides its rule (the first: the default). H200 2026-11-30: 8 warps at the
-# rule's 4 splits win at b8/64K and b8/16K; a cp.async shared-memory ring (since dropped) lost 8-10 %.
+# The CUDA kernel's launch settings (warps per CTA, CTAs per SM to fit in registers (None: min_blocks), int8-mma
+# scores) and the CTAs per SM to size the splits for, besides its rule (the first: the default). H200 2026-11-30:
+# 8 warps at the rule's 4 splits win at b8/64K and b8/16K; a cp.async shared-memory ring (since dropped) lost 8-10 %.
 CUDA_SETTINGS = (
-    ((8, None), (2, 4)),
-    ((4, None), (4, 8)),
+    ((8, None, False), (2, 4)),
+    ((4, None, False), (4, 8)),
+    ((8, None, True), (2, 4)),
 )
 
 
@@ -88,7 +90,7 @@ def _check_settings(device, settings, offsets) -> list[str]:
         scale = head_dim**-0.5
         reference = attention_over_decoded_pages(q.float(), store.k, store.v, k_kind, v_kind, meta, scale,
                                                  store.key_offset).float()
-        for setting, _ in settings if case < 2 else settings[:1]:  # every setting on the first two cases
+        for setting, _ in settings if case < 2 else settings[:1]:  # every Triton setting on the first two cases
             for splits in (None, 7):
                 fused = decode_attention_triton(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
                                                 store.key_offset, num_splits=splits, **_launch(setting)).float()
@@ -98,11 +100,11 @@ def _check_settings(device, settings, offsets) -> list[str]:
                 print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}", flush=True)
                 if err >= 2e-2:
                     failures.append(name)
-        for splits in (None, 7):
+        for splits, int8_keys in itertools.product((None, 7), (False, True)):
             out = attention_cuda.decode_attention_cuda(q, store.k, store.v, meta, scale, store.signs, store.inv_sqrt,
-                                                       store.key_offset, num_splits=splits)
-            name = (f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} CUDA C splits={splits}"
-                    f"{_offset_name(offset)}")
+                                                       store.key_offset, num_splits=splits, int8_keys=int8_keys)
+            name = (f"D={head_dim} GQA={gqa} {k_kind}/{v_kind} lens={lens} CUDA C{' int8 keys' * int8_keys} "
+                    f"splits={splits}{_offset_name(offset)}")
             err = float("inf") if out is None else (out.float() - reference).abs().max().item() / \
                 reference.abs().max().item()
             print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}"
@@ -160,9 +162,9 @@ def _sweep_shape(batch, ctx, q_heads, settings, cuda_settings, device, offsets) 
             print(f"  {label} {'/'.join(map(str, setting))} splits={chosen}{' (rule)' if splits is None else ''}"
                   f"{_offset_name(offset)}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
                   f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
-    for ((warps, blocks), programs_per_sm), offset in itertools.product(cuda_settings, offsets):
+    for ((warps, blocks, int8_keys), programs_per_sm), offset in itertools.product(cuda_settings, offsets):
         for splits in _split_counts(programs_per_sm, batch, ctx, attention_cuda.TILE * warps, device):
-            launch = dict(num_splits=splits, warps=warps, blocks=blocks)
+            launch = dict(num_splits=splits, warps=warps, blocks=blocks, int8_keys=int8_keys)
 
             def cuda(i, launch=launch, offset=offset):
                 return attention_cuda.decode_attention_cuda(qs[i], store.k, store.v, metas[i], scale, store.signs,
@@ -170,9 +172,11 @@ def _sweep_shape(batch, ctx, q_heads, settings, cuda_settings, device, offsets) 
 
             ms = time_ms(cuda, n_inputs=len(qs), device=device)
             chosen = attention_cuda.choose_splits(batch, KV_HEADS, ctx, device, warps) if splits is None else splits
-            print(f"  {label} CUDA C {warps} warps, blocks {blocks} splits={chosen}"
+            print(f"  {label} CUDA C{' int8 keys' * int8_keys} {warps} warps, blocks {blocks} splits={chosen}"
                   f"{' (rule)' if splits is None else ''}{_offset_name(offset)}: {ms:.4f} ms = {sdpa / ms:.2f}x SDPA, "
                   f"{turbo_bytes / ms / 1e6:.0f} GB/s", flush=True)
+    if not settings:  # --cuda: the CUDA kernel merges in its last CTA
+        return
     splits = attention.choose_splits(batch, KV_HEADS, ctx, device)
     print(f"  {label} merge alone at {splits} splits: {_merge_only_ms(store, metas, qs, splits, device):.4f} ms",
           flush=True)
@@ -189,6 +193,8 @@ def main() -> int:
         return 0
     quick = "--quick" in sys.argv
     settings = SETTINGS[:1] if "--default-only" in sys.argv or quick else SETTINGS
+    if "--cuda" in sys.argv:
+        settings = ()
     offsets = (None, 0, *OFFSET_PAIRS) if "--offset" in sys.argv else (None,)
     if quick:
         offsets = offsets[:1] + (kernels_turbo.ENGINE_TURNED_PAIRS,) * ("--offset" in sys.argv)

@@ -25,6 +25,18 @@ run time by NVRTC, no headers, PTX for everything beyond plain C):
     after a Cody-Waite reduction), B = the pairs' (A, B) terms of attention.py's _offset_terms; both split
     into fp16 high + low parts (3 mmas) so the fp16 operands cost no accuracy; position 0 gets
     <q, sink - const - mean> more;
+  * ``int8_keys`` (a build of ``source``; INT8_KEYS the default): scores by m16n8k32 int8 mmas. K codes
+    decode to int8 centroids (int8_centroids: the codebook scaled so its largest |centroid| is 127, rounded)
+    by ONE PRMT per 4 values (lookup_s8; fp16 takes 2 lookups + 2 interleaves), straight into the A fragments
+    (lane t's 4 bytes are 4 consecutive values of its chunk); Q^T is rounded to int8 once per warp, per head
+    and group (step max |q'| / 127), as B; score = exact int32 sum * step * centroid unit * K norm. sm_90, turbo3,
+    D = 128, per 16-token step: 362 instructions instead of 417 (PRMT 112 instead of 160), 442 instead of 494
+    with the partial8 offset. Accuracy: rounding q (|error| <= step / 2) and the centroids (<= unit / 2) adds a
+    logit error whose rms the uniform-rounding model predicts within 1 % (CPU test), 1/51 (turbo2), 1/21
+    (turbo3), 1/12 (turbo4) of the logit error turbo's quantization itself makes vs the unquantized keys; on
+    the tests' keys (N(0.5, 4) per dim, logits of std ~2) outputs move by up to 1.8e-2 of their scale from the
+    exact-centroid oracle (the fp16 build: ~1e-3), so the GPU tests check this build against its own
+    definition. Values stay fp16 (int8 V would need a per-tile P scale and 32 int-to-float conversions a step);
   * loads: each warp prefetches its next tile's code words and norms into registers (and the one after's
     block-table entry) while a tile computes; the first tile's while the query is rotated.
 The kernel is bound by its integer pipe (PRMT, LOP3, shifts: ~270 of ~420 instructions a 16-token step at
@@ -38,6 +50,7 @@ specialization (bit widths, head dim, page size, pair tiles, query dtype, launch
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -45,6 +58,7 @@ from server.kernels import nvrtc
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.timing import timed
 from server.kernels.turbo import attention
+from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.codes import lookup_table
 from server.kernels.turbo.format import group_size
 from server.kernels.turbo.key_offset import KeyOffset
@@ -59,6 +73,11 @@ RESIDENT_WARPS = 16  # warps per SM at 128 registers: the split rule fills one w
 MIN_SPLIT_TOKENS = 1024
 MAX_GQA = 8  # the mma's N side holds the query heads of one KV head
 STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (more needs an opt-in the launcher lacks)
+# Scores by int8 mmas (module docstring) unless a call says otherwise: opt-in, TURBOSERVE_TURBO_INT8_KEYS=1. H200
+# (2026-11-30 09:27 UTC, turbo3, 32q/8kv, d128): b8/64K 0.2030 ms (partial8 0.2219) against the fp16 build's
+# 0.2258 (0.2655) at 09:05; b8/16K 0.0687 (0.0747) against 0.0725 (0.0834) in the same call. Off by default until
+# a GPU perplexity run shows what its rounding costs (its outputs sit up to 1.8e-2 from the exact centroids').
+INT8_KEYS = os.environ.get("TURBOSERVE_TURBO_INT8_KEYS") == "1"
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -76,6 +95,9 @@ typedef unsigned long long u64;
 #define Q_BF16 @QBF16@
 #define WARPS @WARPS@
 #define MIN_BLOCKS @MIN_BLOCKS@
+#define INT8_KEYS @INT8K@
+#define K8_TABLE {@K8TABLE@}  /* int8 centroids as PRMT byte tables (int8_table_words) */
+#define K8_UNIT @K8UNIT@      /* what one int8 centroid step is worth (int8_centroids) */
 #define KROW (D * KB / 8)
 #define VROW (D * VB / 8)
 #define KCH (G / 32)   /* 8-value chunks a lane decodes per K token and group */
@@ -182,6 +204,33 @@ template <int BITS> __device__ __forceinline__ void lookup(u32 s, const u32 (&t)
     l = prmt(t[0], t[1], s); h = prmt(t[2], t[3], s);
     o[2] = prmt(l, h, 0x5140); o[3] = prmt(l, h, 0x7362);
   }
+}
+
+/* int8 centroids of the 8 values of a selector, byte k = value k: lo values 0-3, hi values 4-7; one PRMT per
+   4 values (the 8 int8 centroids fill PRMT's two table registers). turbo4: centroids 0-7 in t[0..1], 8-15 in
+   t[2..3], picked per byte by index bit 3 as in lookup<4> (the same byte masks: byte k of the result is value k). */
+template <int BITS> __device__ __forceinline__ void lookup_s8(u32 s, const u32 (&t)[4], u32& lo, u32& hi) {
+  if (BITS == 4) {
+    const u32 w4 = s << 4, s7 = s & 0x77777777u, s7h = s7 >> 16;
+    const u32 m0 = prmt(w4, s, 0xD9C8), m1 = prmt(w4, s, 0xFBEA);
+    lo = (prmt(t[0], t[1], s7) & ~m0) | (prmt(t[2], t[3], s7) & m0);
+    hi = (prmt(t[0], t[1], s7h) & ~m1) | (prmt(t[2], t[3], s7h) & m1);
+  } else {
+    lo = prmt(t[0], t[1], s);
+    hi = prmt(t[0], t[1], s >> 16);
+  }
+}
+__device__ __forceinline__ void imma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float i2f(int x) { float f; asm("cvt.rn.f32.s32 %0, %1;" : "=f"(f) : "r"(x)); return f; }
+__device__ __forceinline__ u32 s8x4(float x0, float x1, float x2, float x3) {  /* nearest; |x| <= 127 */
+  int i0, i1, i2, i3;
+  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i0) : "f"(x0)); asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i1) : "f"(x1));
+  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i2) : "f"(x2)); asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i3) : "f"(x3));
+  return ((u32)i0 & 0xFFu) | (((u32)i1 & 0xFFu) << 8) | (((u32)i2 & 0xFFu) << 16) | ((u32)i3 << 24);
 }
 
 /* What one warp step reads: the index words of its lane's K tokens (g, g+8) and V tokens (2t, 2t+1, 2t+8,
@@ -396,6 +445,32 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
 #endif
   rotate_rows(qs, signs1, signs2, inv_sqrt * qk_scale, tid);  /* and the softmax scale * log2 e */
 
+#if INT8_KEYS
+  /* Q^T as int8 B fragments of m16n8k32, head g: k-step c of group gi pairs the lane's logical rows 4t..4t+3
+     with physical dims base + 8c .. +3 and rows 16+4t..+3 with base + 8c + 4 .. +7 (base = gi G + t G/4): the
+     8 values of the lane's chunk c, as the K side decodes them. One scale per head and group (max |q| -> 127);
+     kscale: what an int32 score unit of heads 2t, 2t+1 is worth (q unit times K8_UNIT) */
+  u32 qb[NG][KCH][2];
+  float kscale[NG][2];
+#pragma unroll
+  for (int gi = 0; gi < NG; ++gi) {
+    const int base = gi * G + t * (G / 4);
+    float mx = 0.0f;
+    for (int d = base; d < base + G / 4; ++d) mx = fmaxf(mx, fabsf(qs[g][d]));
+    mx = fmaxf(mx, shfl_xor(mx, 1));
+    mx = fmaxf(mx, shfl_xor(mx, 2));
+    const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+#pragma unroll
+    for (int c = 0; c < KCH; ++c) {
+      const int d = base + 8 * c;
+      qb[gi][c][0] = s8x4(qs[g][d] * inv, qs[g][d + 1] * inv, qs[g][d + 2] * inv, qs[g][d + 3] * inv);
+      qb[gi][c][1] = s8x4(qs[g][d + 4] * inv, qs[g][d + 5] * inv, qs[g][d + 6] * inv, qs[g][d + 7] * inv);
+    }
+    const float unit = mx * (1.0f / 127.0f) * K8_UNIT;
+    kscale[gi][0] = bits_f(shfl_idx(f_bits(unit), 8 * t));      /* lane (g = 2t, 0) */
+    kscale[gi][1] = bits_f(shfl_idx(f_bits(unit), 8 * t + 4));  /* lane (g = 2t + 1, 0) */
+  }
+#else
   /* Q^T as B fragments, head g: k-step s of group gi pairs the lane's logical columns 2t, 2t+1 with
      physical dims base + 4s, +1 and 2t+8, 2t+9 with base + 4s + 2, +3 (base = gi G + t G/4) */
   u32 qb[NG][G / 16][2];
@@ -407,6 +482,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
       qb[gi][s][0] = pack(qs[g][d], qs[g][d + 1]);
       qb[gi][s][1] = pack(qs[g][d + 2], qs[g][d + 3]);
     }
+#endif
 #if NPT > 0
   /* the offset's B fragments (rows: cos columns 0-7 then sin columns 8-15 of 8 pairs; column: head g)
      and this lane's pairs' frequencies (pairs 8 pt + 2t, +1; padding: frequency 0, terms 0) */
@@ -423,13 +499,24 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
   const float sink0 = sink_x[2 * t], sink1 = sink_x[2 * t + 1];
 #endif
 
-  u32 lut_k[8], lut_v[8];  /* per-thread copies: PRMT cannot read uniform registers (codes._table_word) */
+  /* per-thread copies: PRMT cannot read uniform registers (codes._table_word) */
   const u32 not_uniform = (u32)tid & (u32)((u64)k_table >> 63);
+  u32 lut_v[8];
+#if INT8_KEYS
+  u32 lut_k[4];
+  const u32 k8_table[4] = K8_TABLE;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) lut_k[i] = k8_table[i] | not_uniform;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) lut_v[i] = (i < 4 || VB == 4) ? ((u32)v_table[i] | not_uniform) : 0u;
+#else
+  u32 lut_k[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     lut_k[i] = (i < 4 || KB == 4) ? ((u32)k_table[i] | not_uniform) : 0u;
     lut_v[i] = KB == VB ? lut_k[i] : (i < 4 || VB == 4) ? ((u32)v_table[i] | not_uniform) : 0u;  /* same table */
   }
+#endif
 
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  /* heads 2t, 2t+1 */
   float acc[NG][G / 16][4];
@@ -441,6 +528,33 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
   /* One warp step: scores, softmax and values of tile t0 from the words in cur. */
   auto compute = [&](const Step& cur, const int t0) {
     /* ---- scores S^T [16 tokens x 8 heads]: lane holds tokens g, g+8 of heads 2t, 2t+1 ---- */
+    const bool valid0 = t0 + g < end, valid1 = t0 + g + 8 < end;
+    float s[4];
+#if INT8_KEYS
+    {
+      int sk[NG][4];  /* exact: |sum| <= G 127^2 < 2^21 */
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) {
+        sk[gi][0] = sk[gi][1] = sk[gi][2] = sk[gi][3] = 0;
+#pragma unroll
+        for (int c = 0; c < KCH; ++c) {
+          const u32 cb = gi * (G / 8) + t * KCH + c;
+          u32 a0, a1, a2, a3;
+          lookup_s8<KB>(selector<KB>(cur.k[0][gi][KB == 4 ? c : c / 2], cb, cur.k[0][gi][KW - 1]), lut_k, a0, a2);
+          lookup_s8<KB>(selector<KB>(cur.k[1][gi][KB == 4 ? c : c / 2], cb, cur.k[1][gi][KW - 1]), lut_k, a1, a3);
+          imma(sk[gi], a0, a1, a2, a3, qb[gi][c][0], qb[gi][c][1]);
+        }
+      }
+      const float kn0 = lo_f(cur.kn[0]), kn1 = lo_f(cur.kn[1]);
+      s[0] = i2f(sk[0][0]) * (kn0 * kscale[0][0]); s[1] = i2f(sk[0][1]) * (kn0 * kscale[0][1]);
+      s[2] = i2f(sk[0][2]) * (kn1 * kscale[0][0]); s[3] = i2f(sk[0][3]) * (kn1 * kscale[0][1]);
+#if NG == 2
+      const float kh0 = hi_f(cur.kn[0]), kh1 = hi_f(cur.kn[1]);
+      s[0] += i2f(sk[1][0]) * (kh0 * kscale[1][0]); s[1] += i2f(sk[1][1]) * (kh0 * kscale[1][1]);
+      s[2] += i2f(sk[1][2]) * (kh1 * kscale[1][0]); s[3] += i2f(sk[1][3]) * (kh1 * kscale[1][1]);
+#endif
+    }
+#else
     float sc[NG][4];
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
@@ -455,8 +569,6 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
         mma(sc[gi], x0[2], x1[2], x0[3], x1[3], qb[gi][2 * c + 1][0], qb[gi][2 * c + 1][1]);
       }
     }
-    const bool valid0 = t0 + g < end, valid1 = t0 + g + 8 < end;
-    float s[4];
     {
       const float kn0 = lo_f(cur.kn[0]), kn1 = lo_f(cur.kn[1]);
       s[0] = sc[0][0] * kn0; s[1] = sc[0][1] * kn0; s[2] = sc[0][2] * kn1; s[3] = sc[0][3] * kn1;
@@ -465,6 +577,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
       s[0] += sc[1][0] * kh0; s[1] += sc[1][1] * kh0; s[2] += sc[1][2] * kh1; s[3] += sc[1][3] * kh1;
 #endif
     }
+#endif
 #if NPT > 0
     {
       const float p0 = (float)(t0 + g), p1 = (float)(t0 + g + 8);
@@ -634,12 +747,32 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
 """
 
 
+@functools.cache
+def int8_centroids(bits: int, group: int) -> tuple[tuple[int, ...], float]:
+    """(int8 centroids, unit): codebook(bits, group) scaled so that the largest |centroid| is 127, rounded to
+    integers; centroid i ~ int8[i] * unit within unit / 2 (the int8 keys' decode, INT8_KEYS)."""
+    centroids = codebook(bits, group).centroids
+    unit = max(abs(c) for c in centroids) / 127
+    return tuple(round(c / unit) for c in centroids), unit
+
+
+def int8_table_words(bits: int, group: int) -> tuple[int, ...]:
+    """The int8 centroids as four PRMT table words (u32): byte j of word w is centroid 4w + j in two's
+    complement (centroids 0-7 in words 0-1, turbo4's 8-15 in words 2-3; missing ones 0), lookup_s8's tables."""
+    values = list(int8_centroids(bits, group)[0]) + [0] * (16 - (1 << bits))
+    return tuple(sum((v & 0xFF) << (8 * j) for j, v in enumerate(values[4 * w: 4 * w + 4])) for w in range(4))
+
+
 def source(k_bits: int = 3, v_bits: int = 3, head_dim: int = 128, page_size: int = 16, pair_tiles: int = 1,
-           bf16_queries: bool = True, blocks: int = 2, warps: int = 8) -> str:
+           bf16_queries: bool = True, blocks: int = 2, warps: int = 8, int8_keys: bool = False) -> str:
     """The CUDA C of one specialization (``pair_tiles``: key-offset pairs / 8 rounded up, 0 without an offset;
-    ``blocks``: CTAs per SM that __launch_bounds__ asks registers for, min_blocks)."""
-    values = dict(D=head_dim, G=group_size(head_dim), KB=k_bits, VB=v_bits, PS=page_size, NPT=pair_tiles,
-                  QBF16=int(bf16_queries), WARPS=warps, MIN_BLOCKS=blocks)
+    ``blocks``: CTAs per SM that __launch_bounds__ asks registers for, min_blocks; ``int8_keys``: scores by
+    int8 mmas, module docstring)."""
+    group = group_size(head_dim)
+    values = dict(D=head_dim, G=group, KB=k_bits, VB=v_bits, PS=page_size, NPT=pair_tiles,
+                  QBF16=int(bf16_queries), WARPS=warps, MIN_BLOCKS=blocks, INT8K=int(int8_keys),
+                  K8TABLE=", ".join(f"{w:#010x}u" for w in int8_table_words(k_bits, group)),
+                  K8UNIT=f"{int8_centroids(k_bits, group)[1]:.9e}f")
     text = _SOURCE
     for key, value in values.items():
         text = text.replace(f"@{key}@", str(value))
@@ -682,13 +815,13 @@ def min_blocks(k_bits: int, v_bits: int, head_dim: int, pair_tiles: int, warps: 
 
 
 def _kernel(q: torch.Tensor, k_bits: int, v_bits: int, page_size: int, pair_tiles: int, warps: int,
-            blocks: int | None):
+            blocks: int | None, int8_keys: bool):
     head_dim = q.shape[-1]
     if _shared_bytes(head_dim, pair_tiles, warps) > STATIC_SHARED:
         return None  # e.g. 8 warps at D = 256: their outputs alone need 64 KB
     blocks = blocks or min_blocks(k_bits, v_bits, head_dim, pair_tiles, warps)
     return nvrtc.cuda_kernel(source(k_bits, v_bits, head_dim, page_size, pair_tiles, q.dtype == torch.bfloat16,
-                                    blocks, warps), KERNEL_NAME, q.device)
+                                    blocks, warps, int8_keys), KERNEL_NAME, q.device)
 
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, warps: int = WARPS) -> int:
@@ -710,12 +843,13 @@ def _empty(device: torch.device) -> torch.Tensor:
 def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
                           scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                           key_offset: KeyOffset | None = None, num_splits: int | None = None,
-                          warps: int | None = None, blocks: int | None = None) -> torch.Tensor | None:
+                          warps: int | None = None, blocks: int | None = None,
+                          int8_keys: bool | None = None) -> torch.Tensor | None:
     """attention.decode_attention_triton's contract on the CUDA C kernel; None where it cannot run (the
     caller takes the Triton kernel): ``supports`` says no, or NVRTC is missing or refuses the source.
 
     Launch settings for tests and the benchmark's sweep: ``warps`` per CTA (None: default_warps), ``blocks``:
-    CTAs per SM to fit in registers (None: min_blocks)."""
+    CTAs per SM to fit in registers (None: min_blocks), ``int8_keys``: the scores' build (None: INT8_KEYS)."""
     if not supports(q, k_pages, v_pages, key_offset):
         return None
     num_seqs, q_heads, head_dim = q.shape
@@ -724,7 +858,8 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
     # with an offset at least one pair tile: position 0's sink term rides on it even with no turning pair
     pair_tiles = 0 if key_offset is None else max(1, -(-pairs // 8))
     warps = warps or default_warps(head_dim, pair_tiles)
-    kernel = _kernel(q, k_pages.bits, v_pages.bits, page_size, pair_tiles, warps, blocks)
+    kernel = _kernel(q, k_pages.bits, v_pages.bits, page_size, pair_tiles, warps, blocks,
+                     INT8_KEYS if int8_keys is None else int8_keys)
     if kernel is None:
         return None
     out = torch.empty_like(q)
