@@ -14,7 +14,7 @@ from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, unpack_indices
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
-from turbo_oracle import rotation_matrix64
+from turbo_oracle import rotation_matrix64, shuffled_tables, slots_of
 
 PAGE = 16
 
@@ -52,14 +52,10 @@ def attention64(q, k, v, meta, scale):
 def scenario(seq_lens, q_lens, kv_heads, gqa, head_dim, k_kind, v_kind, seed=0):
     """A store holding every sequence's K/V in shuffled pages, and the step's metadata and queries."""
     gen = torch.Generator().manual_seed(seed)
-    pages_needed = [-(-n // PAGE) for n in seq_lens]
-    num_pages = sum(pages_needed) + 3
-    order = torch.randperm(num_pages, generator=gen).tolist()  # non-contiguous, out-of-order block tables
-    tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
+    tables, num_pages = shuffled_tables(seq_lens, PAGE, gen, spare=3)
     store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
     for s, n in enumerate(seq_lens):
-        tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
-        slots = tables[s, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE
+        slots = slots_of(tables[s], torch.arange(n), PAGE)
         k = torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.5
         store.write(k, torch.randn(n, kv_heads, head_dim, generator=gen), slots, torch.arange(n))
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)

@@ -19,7 +19,7 @@ import torch
 from test_attention import attention64, decode64, oracle, scenario
 from test_decode_key_offset import decode_case
 from test_key_offset import represented_keys
-from turbo_oracle import rotation_matrix64
+from turbo_oracle import rotation_matrix64, shuffled_tables, slots_of
 
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.turbo import attention, attention_cuda
@@ -160,14 +160,10 @@ def test_cuda_decode_with_bf16_queries_within_bf16_rounding(int8_keys):
 def paged_store(seq_lens, page_size, kv_heads, head_dim, k_kind, v_kind, seed):
     """Random K/V in shuffled pages of ``page_size`` tokens (not 16: the oracle's pages are), decode metadata."""
     gen = torch.Generator().manual_seed(seed)
-    pages_needed = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(pages_needed) + 1
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
+    tables, num_pages = shuffled_tables(seq_lens, page_size, gen)
     store = TurboKVStore(num_pages, page_size, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
     for s, n in enumerate(seq_lens):
-        tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
-        slots = tables[s, torch.arange(n) // page_size].long() * page_size + torch.arange(n) % page_size
+        slots = slots_of(tables[s], torch.arange(n), page_size)
         store.write(torch.randn(n, kv_heads, head_dim, generator=gen) * 2 + 0.5,
                     torch.randn(n, kv_heads, head_dim, generator=gen), slots, torch.arange(n))
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, torch.tensor(seq_lens, dtype=torch.int32),

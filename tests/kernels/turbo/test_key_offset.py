@@ -17,6 +17,7 @@ from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 from test_attention import attention64, decode64
+from turbo_oracle import shuffled_tables, slots_of
 
 PAGE = 16
 
@@ -65,19 +66,15 @@ def filled_store(seq_lens, kv_heads, head_dim, k_kind, v_kind, offset, seed, sto
     in two chunks; also the block tables and the keys written. The store subtracts ``offset`` unless
     ``store_offset`` names another (None: the plain format)."""
     gen = torch.Generator().manual_seed(seed)
-    pages_needed = [-(-n // PAGE) for n in seq_lens]
-    num_pages = sum(pages_needed) + 2
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
+    tables, num_pages = shuffled_tables(seq_lens, PAGE, gen, spare=2)
     store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
     store_offset = offset if store_offset == "same" else store_offset
     if store_offset is not None:
         store.set_key_offset(store_offset)
     keys = []
     for s, n in enumerate(seq_lens):
-        tables[s, : pages_needed[s]] = torch.tensor([order.pop() for _ in range(pages_needed[s])])
         k, positions = rope_keys(n, kv_heads, head_dim, offset, gen)
-        slots = tables[s, positions // PAGE].long() * PAGE + positions % PAGE
+        slots = slots_of(tables[s], positions, PAGE)
         v = torch.randn(n, kv_heads, head_dim, generator=gen)
         cut = n // 2  # chunked prefill: the second chunk's positions do not start at 0
         store.write(k[:cut], v[:cut], slots[:cut], positions[:cut])
