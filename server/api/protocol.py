@@ -42,7 +42,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_regex": (bool, "structured output"),
     "guided_choice": (bool, "structured output"),
     "guided_grammar": (bool, "structured output"),
-    "min_tokens": (bool, "a minimum reply length"),
 }
 
 
@@ -103,6 +102,7 @@ class _SamplingFields(_Body):
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's extension
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0
@@ -164,7 +164,7 @@ class _SamplingFields(_Body):
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """Params of the index-th of the n sequences (seed + index, so the n differ yet repeat)."""
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             seed=None if self.seed is None else self.seed + index, stop=list(self.stop or []),

@@ -12,9 +12,12 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded along with the output, so a word-ini
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop_str: bool):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop_str: bool,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens  # stop strings count only in the text of later tokens (vLLM's min_tokens)
+        self.tokens = 0
         self.include_stop_str = include_stop_str
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         # ids[prefix:read] were decoded already; their text is the baseline the next diff is taken against.
@@ -29,6 +32,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
+        self.tokens += 1
         baseline = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         decoded = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(decoded) > len(baseline) and not decoded.endswith(REPLACEMENT_CHAR):
@@ -51,6 +55,9 @@ class IncrementalDetokenizer:
 
     def _release(self) -> str:
         pending = self.text[self.released :]
+        if self.tokens < self.min_tokens:  # no stop string yet: nothing to hold back
+            self.released = len(self.text)
+            return pending
         stop_at = self._find_stop(pending)
         if stop_at is not None:
             index, stop = stop_at

@@ -209,8 +209,9 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, prompt_token_ids, params, _int64_seed(seed), on_output)
         seq.timeline = self.metrics.requests.timeline()
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output
+            self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output, params.min_tokens
         )
         with self._cond:
             if self._stopping or not self.is_alive():
@@ -416,7 +417,7 @@ class Engine:
         seq.append_token(token)
         if result.logprob is not None:
             seq.logprobs.append(result.logprob)
-        by_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        by_token = token in seq.stop_ids  # never before min_tokens: the sampler masks them until then
         if by_token or seq.num_generated_tokens >= params.max_tokens:
             self._end(seq, "stop" if by_token else "length")
         self._unpublished.append((seq, token, by_token, arrived))

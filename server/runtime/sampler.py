@@ -116,6 +116,7 @@ class SamplingTensors:
     top_k: torch.Tensor | None = None  # [B] int64; vocab size when off
     keys: torch.Tensor | None = None  # [B] int64: row_key(seed, tokens generated so far)
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after logits
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out: min_tokens not reached
 
     @classmethod
     def from_sequences(
@@ -125,8 +126,9 @@ class SamplingTensors:
         its noise is keyed one generated token further than the host has seen."""
         params = [s.params for s in seqs]
         penalties = _penalty_tensors(seqs, vocab_size, device) if any(p.penalized for p in params) else None
+        banned = _banned_tokens(seqs, vocab_size, device, ahead)
         if all(p.greedy for p in params):
-            return cls(all_greedy=True, penalties=penalties)
+            return cls(all_greedy=True, penalties=penalties, banned=banned)
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         # One host-to-device copy instead of five.
         columns = [
@@ -146,7 +148,21 @@ class SamplingTensors:
             top_k=floats[:, 4].long(),
             keys=to_device(torch.tensor(keys, dtype=torch.int64), device),
             penalties=penalties,
+            banned=banned,
         )
+
+
+def _banned_tokens(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                   ahead: bool) -> tuple[torch.Tensor, ...] | None:
+    """(rows, token ids) of the stop ids of every sequence still short of its min_tokens (vLLM's min_tokens:
+    end-of-sequence and stop_token_ids cannot be sampled before it), or None when no sequence is. Ids outside
+    the vocabulary (a client's stop_token_ids may hold any integer) cannot be sampled anyway."""
+    pairs = [(row, token) for row, s in enumerate(seqs) if s.num_generated_tokens + ahead < s.params.min_tokens
+             for token in sorted(s.stop_ids) if 0 <= token < vocab_size]
+    if not pairs:
+        return None
+    rows, tokens = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
+    return rows, tokens
 
 
 def _penalty_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -180,6 +196,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """[B, V] float32 logits -> [B] int64 token ids."""
     if st.penalties is not None:
         logits = apply_penalties(logits, *st.penalties)
+    if st.banned is not None:
+        logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy = _argmax(logits)
     if st.all_greedy:
         return greedy

@@ -14,6 +14,7 @@ GREEDY_BELOW = 1e-5
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: until this many tokens, end-of-sequence and stop ids are never sampled
     temperature: float = 1.0  # 0 (anything below GREEDY_BELOW) -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 -> off
@@ -42,6 +43,8 @@ class SamplingParams:
         """Raise ValueError naming the first field outside its range (RequestRejected wraps it)."""
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+             f"must be in [0, max_tokens] (max_tokens is {self.max_tokens} here)"),
             ("temperature", self.temperature >= 0.0, "must be >= 0 (0 means greedy)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or a positive count"),
@@ -105,6 +108,7 @@ class Sequence:
         self.prompt_logprobs: list[float | None] | None = [None] if params.prompt_logprobs else None
         self.prompt_logprobs_sent = False
         self.detokenizer = None  # set by the engine (it owns the tokenizer)
+        self.stop_ids: frozenset[int] = frozenset()  # token ids that end it (the engine knows its EOS ids)
         self.timeline = None  # server.metrics RequestTimeline, set by the engine
 
     @property

@@ -138,6 +138,15 @@ def test_vllm_stop_token_ids_and_include_stop_str_in_output(client):
     assert kept.choices[0].message.content == "The capital of France is Paris"
 
 
+def test_vllm_min_tokens_holds_off_the_end_of_turn(client):
+    free = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens < 12
+    held = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+                                          extra_body={"min_tokens": 12})
+    assert held.usage.completion_tokens == 12 and held.choices[0].finish_reason == "length"
+    assert held.choices[0].message.content.startswith(free.choices[0].message.content)
+
+
 def test_same_seed_same_text_other_seed_other_text(client):
     def sample(seed):
         return client.chat.completions.create(

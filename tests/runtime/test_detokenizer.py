@@ -69,3 +69,12 @@ def test_invalid_bytes_inside_the_text_still_show_as_replacement_characters():
     detok = IncrementalDetokenizer(TOKENIZER, [], [], False)
     released = [detok.add_token(t) for t in b"a\xffb"]  # 0xFF is never valid UTF-8
     assert "".join(released) + detok.finish() == "a\ufffdb"
+
+
+def test_stop_strings_count_only_after_min_tokens():
+    """min_tokens (one token per byte here): a stop string within the first min_tokens tokens is text like any
+    other, released at once; the first one after them ends the sequence."""
+    detok = IncrementalDetokenizer(TOKENIZER, [], ["ab"], False, min_tokens=4)
+    released = [detok.add_token(t) for t in b"xab.ab.ab"]
+    assert released[:4] == ["x", "a", "b", "."], "nothing held back before min_tokens"
+    assert "".join(released) == "xab." and detok.stopped

@@ -282,6 +282,36 @@ def test_stop_token_ids_eos_and_stop_strings(loaded):
         engine.shutdown()
 
 
+def test_min_tokens_keeps_stop_ids_and_eos_from_ending_it_early(loaded):
+    """vLLM's min_tokens: the stop id that ended the greedy run early cannot be among the first 8 tokens, so the
+    run takes the next-best token there and goes on; after them it may end on that id again."""
+    engine = make_engine(loaded)
+    eos_engine = make_engine(loaded)
+    try:
+        free_run = engine.generate(prompt(6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).token_ids
+        stop_id = free_run[5]
+        first = free_run.index(stop_id)
+        assert first < 7, "the model changed: pick a stop id the free run meets before token 8"
+        for name, eng, params in (
+            ("stop_token_ids", engine, SamplingParams(max_tokens=12, min_tokens=8, temperature=0.0,
+                                                      stop_token_ids=[stop_id])),
+            ("eos", eos_engine, SamplingParams(max_tokens=12, min_tokens=8, temperature=0.0)),
+        ):
+            eos_engine.eos_token_ids = frozenset({stop_id})
+            out = eng.generate(prompt(6), params)
+            assert len(out.token_ids) > 8, f"{name}: ended after {len(out.token_ids)} tokens"
+            assert stop_id not in out.token_ids[:8], f"{name}: the stop id was among the first min_tokens tokens"
+            assert out.token_ids[:first] == free_run[:first], f"{name}: min_tokens changed tokens it need not"
+            ended_by_it = out.finish_reason == "stop" and out.token_ids[-1] == stop_id
+            assert ended_by_it or (out.finish_reason == "length" and len(out.token_ids) == 12), name
+        with pytest.raises(RequestRejected, match="min_tokens"):
+            engine.generate(prompt(6), SamplingParams(max_tokens=4, min_tokens=5))
+        assert_pages_return(engine)
+    finally:
+        engine.shutdown()
+        eos_engine.shutdown()
+
+
 def test_shutdown_ends_live_requests_with_abort_and_refuses_new_ones(loaded):
     engine = make_engine(loaded, max_num_batched_tokens=4)
     collector = Collector()

@@ -175,3 +175,27 @@ def test_logprobs_are_raw_log_softmax_with_best_first_alternatives():
         best = torch.argsort(exact, descending=True)[:k].tolist()
         assert [t for t, _ in out[row].top] == best
         assert [lp for _, lp in out[row].top] == pytest.approx(exact[best].tolist(), abs=1e-5)
+
+
+def _seq(generated: int, params: SamplingParams, stop_ids) -> Sequence:
+    seq = Sequence("r", [1, 2], params, seed=5)
+    for t in range(generated):
+        seq.append_token(t)
+    seq.stop_ids = frozenset(stop_ids)
+    return seq
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_the_stop_ids_until_reached(temperature):
+    """Rows short of min_tokens never sample their stop ids (even the top logit); the others are untouched."""
+    logits = torch.zeros(3, V)
+    logits[:, 4] = 50.0  # the stop id is by far the likeliest token
+    logits[:, 9] = 10.0
+    params = SamplingParams(max_tokens=10, min_tokens=3, temperature=temperature, seed=1)
+    seqs = [_seq(1, params, {4, 99}), _seq(3, params, {4}), _seq(2, params, {4})]  # 99: outside the vocabulary
+    st = SamplingTensors.from_sequences(seqs, V, torch.device("cpu"))
+    assert sample(logits, st).tolist() == [9, 4, 9]
+    ahead = SamplingTensors.from_sequences(seqs, V, torch.device("cpu"), ahead=True)
+    assert sample(logits, ahead).tolist() == [9, 4, 4], "a token still in flight counts as generated"
+    plain = [_seq(0, SamplingParams(max_tokens=10, temperature=temperature, seed=1), {4})]
+    assert SamplingTensors.from_sequences(plain, V, torch.device("cpu")).banned is None
