@@ -126,7 +126,7 @@ class SamplingTensors:
         its noise is keyed one generated token further than the host has seen."""
         params = [s.params for s in seqs]
         penalties = _penalty_tensors(seqs, vocab_size, device) if any(p.penalized for p in params) else None
-        banned = _banned_tokens(seqs, vocab_size, device, ahead)
+        banned = _banned_tokens(seqs, vocab_size, device, ahead) if any(p.min_tokens for p in params) else None
         if all(p.greedy for p in params):
             return cls(all_greedy=True, penalties=penalties, banned=banned)
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
