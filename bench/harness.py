@@ -172,17 +172,19 @@ def format_table(rows: list[Row], copy_gbs: float) -> str:
     return "\n".join(lines)
 
 
-def _git_commit() -> str:
-    """HEAD of the checkout, or TURBOSERVE_COMMIT where the tree travelled without .git (the GPU machine)."""
+def _git_commit(root: Path = REPO_ROOT) -> str:
+    """HEAD of the checkout, "+ uncommitted changes" when the tracked files differ from it (a tree copied to the
+    GPU machine may carry an older .git than its files), or TURBOSERVE_COMMIT where the caller knows better."""
     if os.environ.get("TURBOSERVE_COMMIT"):
         return os.environ["TURBOSERVE_COMMIT"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        )
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True,
+                               timeout=30).returncode == 1
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    return f"{head} + uncommitted changes" if head and dirty else head or "unknown"
 
 
 def environment_line(device: torch.device) -> str:

@@ -127,3 +127,21 @@ def test_dispatcher_runs_suites_and_reports_missing_ones(monkeypatch, tmp_path, 
     captured = capsys.readouterr()
     assert "suite 'experts' has no module yet" in captured.err
     assert doc.read_text().count("### Fake suite") == 1  # --no-record wrote nothing
+
+
+def test_the_recorded_commit_says_when_the_files_are_not_that_commit(tmp_path, monkeypatch):
+    from bench.harness import _git_commit
+
+    monkeypatch.delenv("TURBOSERVE_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.txt").write_text("one\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "a.txt"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "first"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("two\n")
+    assert _git_commit(tmp_path) == f"{head} + uncommitted changes"
+    monkeypatch.setenv("TURBOSERVE_COMMIT", "abc1234")
+    assert _git_commit(tmp_path) == "abc1234"
