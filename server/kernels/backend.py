@@ -30,6 +30,13 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available() and os.environ.get("TURBOSERVE_REFERENCE_KERNELS") != "1"
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's SM (CU) count, which launchers size their grids by; 4 elsewhere (the CPU interpreter, where a
+    few programs keep the tests' loops running more than once)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def inline_ptx(device: torch.device) -> bool:
     """Whether Triton kernels for ``device`` may use NVIDIA inline assembly (PRMT, LOP3, MUFU sin/cos):
     CUDA builds of torch only (not ROCm), and not in the CPU interpreter, which cannot run PTX."""

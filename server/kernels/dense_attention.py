@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels.backend import multiprocessors
 from server.kernels.timing import timed
 
 if TYPE_CHECKING:  # paged_kv imports this module lazily; a runtime import would be circular
@@ -214,9 +215,7 @@ def _prefill_kernel(
 @functools.cache
 def _target_programs(device: torch.device) -> int:
     """Enough programs for two waves on every SM (one per SM leaves bandwidth idle)."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 2 * multiprocessors(device) if device.type == "cuda" else 4
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:

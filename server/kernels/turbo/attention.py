@@ -30,13 +30,12 @@ correct for any chunk boundary, not fused in the rotated domain (yet).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from server.kernels.backend import inline_ptx, use_triton
+from server.kernels.backend import inline_ptx, multiprocessors, use_triton
 from server.kernels.dense_attention import paged_attention as dense_paged_attention
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
 from server.kernels.rotation import rotate, rotate_rows
@@ -369,11 +368,6 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(i) for i in range(len(order)))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Split long contexts into at most PROGRAMS_PER_SM programs per SM (flash-decoding), but not into
     splits shorter than MIN_SPLIT_TOKENS unless that leaves SMs without a program.
@@ -383,8 +377,8 @@ def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.
     """
     blocks = max(1, triton.cdiv(max_seq_len, block_n))
     rows = max(1, num_seqs * kv_heads)
-    wanted = PROGRAMS_PER_SM * _sm_count(device) // rows
-    long_enough = max(triton.cdiv(_sm_count(device), rows), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
+    wanted = PROGRAMS_PER_SM * multiprocessors(device) // rows
+    long_enough = max(triton.cdiv(multiprocessors(device), rows), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
     return max(1, min(blocks, wanted, long_enough))
 
 

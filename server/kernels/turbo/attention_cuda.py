@@ -55,6 +55,7 @@ import os
 import torch
 
 from server.kernels import nvrtc
+from server.kernels.backend import multiprocessors
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.timing import timed
 from server.kernels.turbo import attention
@@ -828,7 +829,7 @@ def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.
     """attention.choose_splits' rule with this kernel's numbers: one wave of CTAs (RESIDENT_WARPS per SM; a
     CTA's prologue, the query's rotation, costs a few tiles: longer splits amortize it; H200: 4 splits of 16K
     beat 8 at b8/64K), splits of at least MIN_SPLIT_TOKENS unless that leaves SMs idle."""
-    sms, rows = attention._sm_count(device), max(1, num_seqs * kv_heads)
+    sms, rows = multiprocessors(device), max(1, num_seqs * kv_heads)
     long_enough = max(-(-sms // rows), -(-max_seq_len // MIN_SPLIT_TOKENS))
     wanted = max(1, RESIDENT_WARPS // warps) * sms // rows
     return max(1, min(-(-max_seq_len // (TILE * warps)), wanted, long_enough))

@@ -25,14 +25,13 @@ the upper index is the smaller magnitude, so there |y| is compared one ulp small
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from server.kernels.backend import inline_ptx
+from server.kernels.backend import inline_ptx, multiprocessors
 from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
@@ -61,11 +60,6 @@ class StoreLaunch:
 
 STORE_LAUNCH = StoreLaunch()
 INTERPRETER_PROGRAMS = 2  # on CPU: few programs, so the tests run the tile loop more than once
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass
@@ -257,7 +251,7 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     group = group_size(head_dim)
     tiles = triton.cdiv(n_rows, launch.rows)
     if k.device.type == "cuda":
-        programs = min(tiles, _multiprocessors(k.device) * launch.programs_per_sm)
+        programs = min(tiles, multiprocessors(k.device) * launch.programs_per_sm)
     else:
         programs = min(tiles, INTERPRETER_PROGRAMS)
     options = {} if launch.max_registers is None else {"maxnreg": launch.max_registers}

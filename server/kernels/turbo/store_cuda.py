@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from server.kernels import nvrtc
+from server.kernels.backend import multiprocessors
 from server.kernels.rotation import SIGNS1, SIGNS2
 from server.kernels.timing import timed
 from server.kernels.turbo.key_offset import KeyOffset
@@ -426,11 +427,6 @@ def supports(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, posit
             and slot_mapping.is_contiguous() and positions.is_contiguous() and nvrtc.cuda_kernels_enabled(k.device))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def fills_a_wave(num_tokens: int, heads: int, head_dim: int, device: torch.device,
                  launch: CudaStoreLaunch = CUDA_STORE_LAUNCH) -> bool:
     """Whether a call gives every resident warp an item (32 tokens of one head's group, K and V side), which is
@@ -445,7 +441,7 @@ def fills_a_wave(num_tokens: int, heads: int, head_dim: int, device: torch.devic
     if device.type != "cuda":
         return False
     items = -(-num_tokens // 32) * heads * max(1, head_dim // GROUP)
-    return items >= _multiprocessors(device) * launch.min_blocks * launch.warps // 2
+    return items >= multiprocessors(device) * launch.min_blocks * launch.warps // 2
 
 
 def store_turbo_cuda(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
@@ -475,7 +471,7 @@ def launch_store(kernel, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.T
     """One launch of a compiled store kernel (``sides`` 1: K only, for bench/turbo_store_probe.py)."""
     num_tokens, heads, head_dim = k.shape
     items = -(-num_tokens // 32) * heads * (head_dim // GROUP)
-    blocks = max(1, min(-(-items // launch.warps), _multiprocessors(k.device) * launch.min_blocks // 2))
+    blocks = max(1, min(-(-items // launch.warps), multiprocessors(k.device) * launch.min_blocks // 2))
     unused = k_pages.centroids  # any float32 pointer for the offset arguments: never read without OFFSET
     terms = ((unused,) * 4 + (slot_mapping, 0) if key_offset is None else
              (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq, key_offset.pairs,

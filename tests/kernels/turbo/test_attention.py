@@ -142,7 +142,7 @@ def test_fused_decode_serves_any_length_under_a_capture_time_hint():
 def test_split_count_fills_the_gpu_without_needlessly_short_splits(monkeypatch, batch, context):
     """At most PROGRAMS_PER_SM programs per SM, splits of at least MIN_SPLIT_TOKENS unless SMs would idle."""
     sms, kv_heads = 132, 8
-    monkeypatch.setattr(attention, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: sms)
     splits = choose_splits(batch, kv_heads, context, torch.device("cuda"))
     rows = batch * kv_heads
     assert 1 <= splits <= -(-context // attention.BLOCK_N)

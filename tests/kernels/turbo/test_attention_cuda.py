@@ -22,7 +22,7 @@ from test_key_offset import represented_keys
 from turbo_oracle import rotation_matrix64, shuffled_tables, slots_of
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo import attention, attention_cuda
+from server.kernels.turbo import attention_cuda
 from server.kernels.turbo import store as store_module
 from server.kernels.turbo.attention import (
     attention_over_decoded_pages,
@@ -273,7 +273,7 @@ def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
 def test_split_rule_fills_one_wave_of_ctas(monkeypatch, batch, context, splits):
     """One wave of 8-warp CTAs (2 per SM at 128 registers) on 132 SMs; b8 at 64K and 16K: the measured best
     (4 splits beat 8 at both, H200, bench/turbo_decode_sweep.py)."""
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_cuda, "multiprocessors", lambda device: 132)
     assert attention_cuda.choose_splits(batch, 8, context, GPU) == splits
 
 

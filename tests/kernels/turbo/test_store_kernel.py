@@ -234,7 +234,7 @@ def test_decode_steps_store_through_triton_and_prefill_chunks_through_cuda_c(mon
     with 1 real token as with 32 (the 09:19 UTC e2e measurement in its docstring)."""
     from server.kernels.turbo import store_cuda
 
-    monkeypatch.setattr(store_cuda, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(store_cuda, "multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
     one_wave_of_items = 132 * 12 // 2
     for batch in (1, 32, 256):  # a decode step: one token per sequence
