@@ -764,6 +764,7 @@ def int8_table_words(bits: int, group: int) -> tuple[int, ...]:
     return tuple(sum((v & 0xFF) << (8 * j) for j, v in enumerate(values[4 * w: 4 * w + 4])) for w in range(4))
 
 
+@functools.cache  # one string per specialization: every decode call asks for it (nvrtc's cache keys on it)
 def source(k_bits: int = 3, v_bits: int = 3, head_dim: int = 128, page_size: int = 16, pair_tiles: int = 1,
            bf16_queries: bool = True, blocks: int = 2, warps: int = 8, int8_keys: bool = False) -> str:
     """The CUDA C of one specialization (``pair_tiles``: key-offset pairs / 8 rounded up, 0 without an offset;
