@@ -9,8 +9,6 @@ setup:
 serve: setup
 	.venv/bin/turboserve serve $(ARGS)
 
-# One torch thread per process: CI has 2 cores, shared with the server the API tests start. GPUs are hidden:
-# this is the CPU suite (Triton kernels through the interpreter, which cannot share a process with compiled
-# Triton), the same on every machine; README "Tests" names the GPU tests.
+# One torch thread per process: CI has 2 cores, shared with the server the API tests start.
 test: setup
-	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q $(PYTEST_ARGS)
