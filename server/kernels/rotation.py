@@ -72,6 +72,12 @@ def _device_words(words: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return sign_words_tensor(words, device)
 
 
+def device_sign_words(words: SignWords, device: torch.device) -> torch.Tensor:
+    """The packed words as a cached int32 tensor on ``device``, for kernels outside this module that call
+    rotate_rows (one table's words, first or second)."""
+    return _device_words(tuple(words), device)
+
+
 def flip_signs(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """x (float32) with its sign bit XORed where bits == 1 (spec: bit-identical to * -1)."""
     return (x.view(torch.int32) ^ (bits << 31)).view(torch.float32)

@@ -16,6 +16,11 @@ so a K step of the decode body reads each plane as one contiguous run of words:
   plane 8     -Σq of the group: the integer dot starts from it, which turns Σ c·q into Σ (c - 1)·q (q2_0 levels)
               or, with the code bits doubled, Σ (2c - 1)·q (q1_0 levels) at no cost;
   plane 9     the bits of s (float32).
+
+Rotated weights (weights.py, "Incoherence" in the spec) multiply the rotated activation R·a. `quantize_triton`
+given the weights' rotation (group, signs) rotates and rounds in one launch, which a decode step would otherwise
+spend two on (rotation.rotate_triton, then this quantization); it keeps the two-step chain's planes bit for bit,
+the rotation stored in a's dtype included (`quantize_reference` with the same rotation is that chain in torch).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from server.kernels import pdl
+from server.kernels import pdl, rotation
 from server.kernels.experts.moe_triton import FORMAT_IDS, Q2_0
 from server.kernels.pdl import gdc_launch_dependents, gdc_wait
+from server.kernels.rotation import rotate_rows
 from server.kernels.timing import timed
 
 GROUP = 32
@@ -62,8 +68,11 @@ def byte_slots(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"8-bit activations pair with q1_0/q2_0 weights, not {fmt!r}")
 
 
-def quantize_reference(a: torch.Tensor, fmt: str) -> torch.Tensor:
-    """a [T, K] -> int32 [T, PLANES, K/32] (module docstring), in torch."""
+def quantize_reference(a: torch.Tensor, fmt: str, group: int = 0, signs=None) -> torch.Tensor:
+    """a [T, K] -> int32 [T, PLANES, K/32] (module docstring), in torch; with ``signs`` (a rotation as
+    weights.ExpertWeights holds it: ``group`` and the two sign tables) of R·a stored in a's dtype first."""
+    if signs is not None:
+        a = rotation.rotate_reference(a, group, signs=signs).to(a.dtype)
     q, s = group_scales(a)
     plane, byte = byte_slots(fmt)
     qb = (q.to(torch.int64) & 0xFF) << (8 * byte.to(a.device))  # [T, G, 32]
@@ -77,10 +86,14 @@ def quantize_reference(a: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_kernel(a_ptr, out_ptr, G, stride_a, stride_o, FORMAT: tl.constexpr, BLOCK_G: tl.constexpr,
+def _quantize_kernel(a_ptr, out_ptr, first_ptr, second_ptr, inv_sqrt, G, stride_a, stride_o, FORMAT: tl.constexpr,
+                     BLOCK_G: tl.constexpr, ROTATION: tl.constexpr, LOG2_ROTATION: tl.constexpr,
                      USE_PDL: tl.constexpr):
     """Groups [pid1·BLOCK_G, +BLOCK_G) of activation row pid0 -> the PLANES words of each (`quantize_reference`).
-    ``USE_PDL``: the integer-dot launch after it is scheduled at once and streams its first weights meanwhile."""
+    ``ROTATION`` (0: none): the rotation group; the program's BLOCK_G·32 values are whole rotation groups, rotated
+    in registers (rotation.rotate_rows, bit for bit rotation.rotate_triton) and rounded to a's dtype, as the
+    two-step chain stores them. ``USE_PDL``: the integer-dot launch after it is scheduled at once and streams its
+    first weights meanwhile."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()  # a is the previous kernel's output
@@ -88,7 +101,16 @@ def _quantize_kernel(a_ptr, out_ptr, G, stride_a, stride_o, FORMAT: tl.constexpr
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     k = tl.arange(0, 32)
     live = g < G
-    a = tl.load(a_ptr + row * stride_a + g[:, None] * 32 + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if ROTATION:
+        ROWS: tl.constexpr = BLOCK_G * 32 // ROTATION
+        offs = (tl.program_id(1) * BLOCK_G * 32 + tl.arange(0, ROWS)[:, None] * ROTATION
+                + tl.arange(0, ROTATION)[None, :])
+        x = tl.load(a_ptr + row * stride_a + offs, mask=offs < G * 32, other=0.0).to(tl.float32)
+        y = rotate_rows(x, first_ptr, second_ptr, inv_sqrt, ROWS, ROTATION, LOG2_ROTATION)
+        a = tl.reshape(y.to(a_ptr.dtype.element_ty).to(tl.float32), (BLOCK_G, 32))
+    else:
+        a = tl.load(a_ptr + row * stride_a + g[:, None] * 32 + k[None, :], mask=live[:, None], other=0.0)
+        a = a.to(tl.float32)
     # The product, IEEE division and round-half-even of the torch definition (group_scales): same q bit for bit.
     s = tl.max(tl.abs(a), 1) * _INV_127
     v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0)[:, None])
@@ -110,8 +132,8 @@ def _quantize_kernel(a_ptr, out_ptr, G, stride_a, stride_o, FORMAT: tl.constexpr
 QUANTIZE_BLOCK_G = 16  # groups per program: a token of D = 6144 takes 12 programs
 
 
-def quantize_triton(a: torch.Tensor, fmt: str) -> torch.Tensor:
-    """As quantize_reference, one Triton launch (a [T, K] contiguous rows, any float dtype)."""
+def quantize_triton(a: torch.Tensor, fmt: str, group: int = 0, signs=None) -> torch.Tensor:
+    """As quantize_reference (with the same rotation, if any), one Triton launch (a [T, K] rows, any float dtype)."""
     if a.shape[-1] % GROUP:
         raise ValueError(f"8-bit activations come in groups of {GROUP}; a row of {a.shape[-1]} values is not a multiple")
     if fmt not in ("q1_0", "q2_0"):
@@ -119,8 +141,18 @@ def quantize_triton(a: torch.Tensor, fmt: str) -> torch.Tensor:
     a = a.contiguous()
     groups = a.shape[1] // GROUP
     out = torch.empty((a.shape[0], PLANES, groups), dtype=torch.int32, device=a.device)
-    grid = (a.shape[0], triton.cdiv(groups, QUANTIZE_BLOCK_G))
+    first = second = out  # the sign tables' arguments, never read without a rotation
+    rot = 0
+    if signs is not None:
+        rotation.check_group(group, signs)
+        if a.shape[1] % group:
+            raise ValueError(f"a row of {a.shape[1]} values is not a multiple of the rotation group {group}")
+        first, second = (rotation.device_sign_words(w, a.device) for w in signs)
+        rot = group
+    block_g = max(QUANTIZE_BLOCK_G, rot // GROUP)  # whole rotation groups per program
+    grid = (a.shape[0], triton.cdiv(groups, block_g))
     with timed("experts_int8_activations", a.device):
-        _quantize_kernel[grid](a, out, groups, a.stride(0), out.stride(0), FORMAT=FORMAT_IDS[fmt],
-                               BLOCK_G=QUANTIZE_BLOCK_G, **pdl.launch_options(a.device))
+        _quantize_kernel[grid](a, out, first, second, rotation.inv_sqrt_group(max(rot, 1)), groups, a.stride(0),
+                               out.stride(0), FORMAT=FORMAT_IDS[fmt], BLOCK_G=block_g, ROTATION=rot,
+                               LOG2_ROTATION=max(rot, 1).bit_length() - 1, **pdl.launch_options(a.device))
     return out

@@ -19,7 +19,7 @@ from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p, moe_cuda
 from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
 from server.kernels.experts.int8_activations import quantize_triton as quantize_int8
-from server.kernels.experts.moe_dp4a import _expert_dp4a
+from server.kernels.experts.moe_dp4a import _expert_dp4a, sum_top_k_slots
 from server.kernels.experts.moe_gemv import E8_FIELD_MASK, _expert_gemv
 from server.kernels.experts.moe_mma import _expert_mma, tile_order
 from server.kernels.experts.moe_reference import check_moe_args, fused_moe_reference
@@ -119,18 +119,21 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
     if gemv and not (_gemv_can_read(gate_up) and _gemv_can_read(down)):
         _say_once("quantized experts: q codes not 4-byte aligned for the GEMV body; using the GEMM body")
         gemv = False
-    xr = gate_up.rotate_input(x).contiguous()
     h = torch.empty((num_pairs, two_i // 2), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((num_pairs, d), dtype=torch.float32, device=x.device)
-    routing = topk_weights.reshape(-1).float().contiguous()
     if gemv and int8_activations and gate_up.format in ("q1_0", "q2_0"):
         _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through dp4a (moe_dp4a.py)")
-        expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-        launch_expert_dp4a(quantize_int8(xr, gate_up.format), h, expert_ids, gate_up, dual=True,
-                           a_row_div=top_k)
-        launch_expert_dp4a(quantize_int8(down.rotate_input(h), down.format), y_pairs, expert_ids,
-                           down, routing=routing)
-    elif gemv and use_mma(gate_up.format, x.dtype, num_pairs):
+        # Five launches, each scheduled early through PDL: rotate+quantize x, gate_up, rotate+quantize h, down, the
+        # top-k sum. The kernels read the router's ids and weights in their own dtypes (no conversion launches).
+        expert_ids, routing = topk_ids.reshape(-1), topk_weights.reshape(-1)
+        launch_expert_dp4a(quantize_int8(x, gate_up.format, gate_up.group, gate_up.signs), h, expert_ids, gate_up,
+                           dual=True, a_row_div=top_k)
+        launch_expert_dp4a(quantize_int8(h, down.format, down.group, down.signs), y_pairs, expert_ids, down,
+                           routing=routing)
+        return sum_top_k_slots(y_pairs, top_k, x.dtype)
+    xr = gate_up.rotate_input(x).contiguous()
+    routing = topk_weights.reshape(-1).float().contiguous()
+    if gemv and use_mma(gate_up.format, x.dtype, num_pairs):
         blocks = single_pair_blocks(topk_ids, MMA_BLOCK_T)
         launch_expert_mma(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
         launch_expert_mma(down.rotate_input(h), y_pairs, blocks, down, routing=routing)
@@ -222,7 +225,8 @@ def launch_expert_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
 def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
                        dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
     """As launch_expert_gemv for q1_0/q2_0 on activations from int8_activations.quantize_triton (act [rows,
-    PLANES, K/32] int32) through integer dot products (moe_dp4a.py)."""
+    PLANES, K/32] int32) through integer dot products (moe_dp4a.py); expert_ids [pairs] of any integer dtype,
+    routing [pairs] of any float dtype (the kernel converts them as it loads them)."""
     _, rows, k = w.shape
     n = rows // 2 if dual else rows
     codes, d = w.tensors["codes"], w.tensors["d"]

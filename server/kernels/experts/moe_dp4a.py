@@ -27,12 +27,15 @@ arithmetic, so CI checks the byte order, the offsets and the scaling, and the GP
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from server.kernels import pdl
 from server.kernels.experts.moe_gemv import _gemv_store, _gemv_tile_rows
 from server.kernels.experts.moe_triton import Q1_0, Q2_0
 from server.kernels.pdl import gdc_launch_dependents, gdc_wait
+from server.kernels.timing import timed
 
 Q2_FIELDS = tl.constexpr(0x03030303)  # the low 2 bits of every byte
 Q1_DOUBLED = tl.constexpr(0x02020202)  # bit 1 of every byte: 2·(code bit) once the bit is shifted there
@@ -169,3 +172,32 @@ def _expert_dp4a(act_ptr, out_ptr, expert_ids_ptr, routing_ptr, w_ptr, d_ptr,
     acc = _dp4a_rows(act_row_ptr, G, w_ptr + expert * stride_we, d_ptr + expert * stride_de, rows, K,
                      stride_wn, stride_dn, FORMAT, BLOCK_K, EVEN_K, ASM, USE_PDL)
     _gemv_store(acc, out_ptr, routing_ptr, pair, stride_om, N, BLOCK_N, DUAL, ROUTED)
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, D, TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t, cols] = Σ_j y[t·TOP_K + j, cols] in slot order, in out's dtype (one launch for torch's sum and cast)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # y is the down launch's output
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < D
+    acc = tl.load(y_ptr + t * TOP_K * D + cols, mask=live)
+    for j in tl.static_range(1, TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * D + cols, mask=live)
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+SUM_BLOCK = 1024  # columns per program: a token of D = 6144 takes 6
+
+
+def sum_top_k_slots(y_pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """y_pairs [tokens·top_k, D] float32 (a token's slots consecutive) -> [tokens, D] in ``dtype``: the slots summed
+    in slot order (no atomics: the same bits every run)."""
+    pairs, d = y_pairs.shape
+    out = torch.empty((pairs // top_k, d), dtype=dtype, device=y_pairs.device)
+    with timed("experts_sum_slots", y_pairs.device):
+        _sum_slots_kernel[(pairs // top_k, triton.cdiv(d, SUM_BLOCK))](
+            y_pairs, out, d, TOP_K=top_k, BLOCK=SUM_BLOCK, **pdl.launch_options(y_pairs.device))
+    return out

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels import rotation
 from server.kernels.experts import int8_activations as act8
-from server.kernels.experts import moe, qblocks
-from server.kernels.experts.moe_dp4a import _dp4a, _dp4a_step
+from server.kernels.experts import moe, qblocks, weights
+from server.kernels.experts.moe_dp4a import _dp4a, _dp4a_step, sum_top_k_slots
 from server.kernels.experts.moe_reference import fused_moe_reference
 from server.kernels.experts.moe_triton import FORMAT_IDS
 from tests.kernels.experts.test_fused_moe import _problem, oracle
@@ -62,6 +63,44 @@ def test_planes_hold_each_q_in_the_byte_the_weight_codes_unpack_to(fmt):
     assert torch.equal(act8.quantize_triton(a, fmt), planes)
     with pytest.raises(ValueError, match="groups of 32"):
         act8.quantize_triton(a[:, :40], fmt)
+
+
+# (format, rotation group, dtype): the deep shape's group (256: 8 int8 groups), a small one (64: 2 per program
+# row), one below an int8 group (16: two rotation groups make one int8 group), in float32 and fp16 (the two-step
+# chain stores the rotation in a's dtype; bf16 arithmetic is not exact in the interpreter).
+ROTATIONS = [("q2_0", 256, torch.float32), ("q1_0", 64, torch.float16), ("q2_0", 16, torch.float16),
+             ("q1_0", 256, torch.float16)]
+
+
+@pytest.mark.parametrize("fmt,group,dtype", ROTATIONS)
+def test_rotation_and_rounding_in_one_launch_give_the_planes_of_the_two_step_chain(fmt, group, dtype):
+    """quantize_triton given a rotation, bit for bit against its torch definition (rotate, store in a's dtype,
+    quantize) and against the two launches it replaces (rotation.rotate_triton, then quantize_triton): 40 int8
+    groups a row (three programs at group 256, the last partial), 3 rows of different magnitudes, an all-zero
+    rotation group."""
+    gen = torch.Generator().manual_seed(group)
+    a = (torch.randn(3, 40 * 32, generator=gen) * torch.tensor([1.0, 1e-2, 30.0])[:, None]).to(dtype)
+    a[1, group:2 * group] = 0
+    signs = weights.random_signs(group, seed=group + 1)
+    want = act8.quantize_reference(a, fmt, group, signs)
+    assert not torch.equal(want, act8.quantize_reference(a, fmt)), "the rotation changed nothing"
+    assert torch.equal(act8.quantize_triton(a, fmt, group, signs), want)
+    assert torch.equal(act8.quantize_triton(rotation.rotate_triton(a, group, signs=signs), fmt), want)
+    with pytest.raises(ValueError, match="rotation group"):
+        act8.quantize_triton(a[:, :96], fmt, 64, weights.random_signs(64, seed=0))
+
+
+def test_top_k_slots_are_summed_in_slot_order_then_rounded_once():
+    """3 tokens x 5 slots, D = 1100 (two programs a token, the second partial): ((y0 + y1) + y2) + ... in
+    float32, then one rounding to fp16, bit for bit."""
+    y = torch.randn(15, 1100, generator=torch.Generator().manual_seed(5)) * 100
+    slots = y.view(3, 5, 1100)
+    acc = slots[:, 0]
+    for j in range(1, 5):
+        acc = acc + slots[:, j]
+    got = sum_top_k_slots(y, 5, torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, acc.half())
+    assert torch.equal(sum_top_k_slots(y, 5, torch.float32), acc)
 
 
 @triton.jit
