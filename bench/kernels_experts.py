@@ -29,8 +29,9 @@ checks through the dispatch (check_cuda), its warps sweep (sweep_cuda), and deep
 the CUDA body ("ours") and the Triton GEMV body (the A/B), about 30 s on a warm H200.
 
 EXPERTS_DP4A=1 python bench/kernels.py experts: q1_0/q2_0 on 8-bit activations only (moe_dp4a.py): its checks
-(check_dp4a), the sweep of its launch settings (sweep_dp4a; the shipped setting also with PDL off), and deep T=1
-and T=8 rows of the dp4a and float GEMV bodies (about 30 s on a warm H200).
+(check_dp4a), the A/B of the one-launch rotation and rounding against the two-step chain before it (deep T=1/4/8,
+full op eager and in a CUDA graph, kernels only, each launch alone at T=1), and the sweep of its launch settings
+(sweep_dp4a; EXPERTS_DP4A_SWEEP=0 leaves it out).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import Row, time_ms
-from server.kernels import pdl
+from server.kernels import rotation
 from server.kernels.experts import int8_activations, moe, moe_cuda
+from server.kernels.experts.moe_dp4a import sum_top_k_slots
 from server.kernels.experts.moe_reference import fused_moe_reference
 from server.kernels.experts.routing import (
     align_pairs,
@@ -188,7 +190,7 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
             rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + "
                             + ("int8 quantization + " if int8 else "") + "kernels)"))
             rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm",
-                            f"two fused launches, {body.upper()} body" + (" (+ 2 quantization launches)" if body == "dp4a"
+                            f"two fused launches, {body.upper()} body" + (" (+ 2 rotate+quantize launches)" if body == "dp4a"
                                                                           else "")))
             # the other decode bodies on the same inputs, for comparison
             decode_bodies = {"q2_0": ("mma", "gemv", "gemm", "dp4a"), "q1_0": ("gemv", "gemm", "dp4a")}.get(
@@ -223,7 +225,8 @@ def _cuda_body_available(fmt: str) -> bool:
 def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
     """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "cuda" (moe_cuda.py), "mma",
     "gemv" (the Triton body), "gemm", or "dp4a": the two integer-dot launches each after its activations'
-    quantization launch)."""
+    rotate+quantize launch; "dp4a_two_step": the same with the quantization launches of the chain before 6fa2189,
+    which had rotated x in a launch of its own (not timed here) and timed h's quantization without h's rotation)."""
     x, w, ids, _ = s
     top_k = ids.shape[1]
     xr = gu.rotate_input(x).contiguous()
@@ -237,7 +240,15 @@ def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
         def run():
             launch(xr, h, expert_ids, gu, dual=True, a_row_div=top_k)
             launch(h, y, expert_ids, dn, routing=routing)
-    elif body == "dp4a":
+    elif body == "dp4a":  # as moe.fused_moe_triton: rotation and rounding in one launch, ids and weights as given
+        expert_ids, weights = ids.reshape(-1), w.reshape(-1)
+
+        def run():
+            moe.launch_expert_dp4a(int8_activations.quantize_triton(x, gu.format, gu.group, gu.signs), h, expert_ids,
+                                   gu, dual=True, a_row_div=top_k)
+            moe.launch_expert_dp4a(int8_activations.quantize_triton(h, dn.format, dn.group, dn.signs), y, expert_ids,
+                                   dn, routing=weights)
+    elif body == "dp4a_two_step":  # the chain before 6fa2189: x rotated beforehand (not timed), h not rotated
         expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
 
         def run():
@@ -440,21 +451,28 @@ DP4A_BOUNDS = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 def check_dp4a(device) -> list[str]:
     """8-bit activations on the device: the quantization kernel bit for bit against the torch definition (IEEE
-    division and rounding on the GPU); the integer-dot body (dp4a assembly) against the reference with the same
-    rounding at D=6144 I=2048 E=64 top-8, float32, fp16 and bf16, 1 and 8 tokens (one routed twice), bounds
-    DP4A_BOUNDS; and its distance from the float reference (what the rounding costs); raises on mismatch."""
+    division and rounding on the GPU), without and with the weights' rotation in the same launch (then also
+    against the two launches it replaces); the top-k sum launch bit for bit against the slot-order sum; the
+    integer-dot body (dp4a assembly) against the reference with the same rounding at D=6144 I=2048 E=64 top-8,
+    float32, fp16 and bf16, 1 and 8 tokens (one routed twice), bounds DP4A_BOUNDS; and its distance from the float
+    reference (what the rounding costs); raises on a mismatch of the op (plane mismatches are reported)."""
     gen = torch.Generator(device=device).manual_seed(10)
     lines = []
     for fmt in ("q2_0", "q1_0"):
         a = torch.randn((8, 6144), generator=gen, device=device) * torch.rand((8, 1), generator=gen, device=device)
         a[0, 64:96] = 0
-        got, want = int8_activations.quantize_triton(a, fmt), int8_activations.quantize_reference(a, fmt)
-        if not torch.equal(got, want):  # reported, not raised: the timings below are still worth having
-            lines.append(f"{fmt} int8 activation planes: DIFFER from the torch definition in "
-                         f"{int((got != want).sum())} of {got.numel()} words ({int((got[:, 8] != want[:, 8]).sum())} "
-                         f"-Σq, {int((got[:, 9] != want[:, 9]).sum())} scales)")
-        else:
-            lines.append(f"{fmt} int8 activation planes: equal to the torch definition (8 x 6144)")
+        lines.append(_planes_line(f"{fmt} int8 activation planes", int8_activations.quantize_triton(a, fmt),
+                                  int8_activations.quantize_reference(a, fmt), "8 x 6144"))
+        for dtype, k in itertools.product((torch.float32, torch.float16, torch.bfloat16), (6144, 2048)):
+            a = (torch.randn((8, k), generator=gen, device=device) * 3).to(dtype)
+            a[1, 256:512] = 0
+            group = rotation_group(k)
+            signs = random_signs(group, seed=k)
+            want = int8_activations.quantize_reference(a, fmt, group, signs)
+            what = f"{fmt} rotate+quantize {dtype} 8 x {k} (group {group})"
+            lines.append(_planes_line(what, int8_activations.quantize_triton(a, fmt, group, signs), want, "torch"))
+            two_step = int8_activations.quantize_triton(rotation.rotate_triton(a, group, signs=signs), fmt)
+            lines.append(_planes_line(what, two_step, want, "torch, through the two launches it replaces"))
         gu = random_weights(fmt, 64, 2 * 2048, 6144, device, gen)
         dn = random_weights(fmt, 64, 6144, 2048, device, gen)
         op = functools.partial(moe.fused_moe_triton, gemv=True, int8_activations=True)
@@ -465,36 +483,77 @@ def check_dp4a(device) -> list[str]:
                                          device, int8_reference=True)
                 err_float = _deep_decode_error(op, gu, dn, dtype, tokens,
                                                torch.Generator(device=device).manual_seed(seed), device)
+                err_old = _deep_decode_error(two_step_dp4a, gu, dn, dtype, tokens,
+                                             torch.Generator(device=device).manual_seed(seed), device,
+                                             int8_reference=True)
                 lines.append(f"{fmt} DP4A body {dtype} T={tokens}: rel err {err:.2e} vs the int8 reference (bound "
-                             f"{bound:.0e}), {err_float:.2e} vs the float reference")
+                             f"{bound:.0e}; two-step chain {err_old:.2e}), {err_float:.2e} vs the float reference")
                 if not err < bound:
                     raise AssertionError(f"dp4a body disagrees with the int8-activation reference: {lines[-1]}")
+    y = torch.randn((64, 6144), generator=gen, device=device)
+    acc = y.view(8, 8, 6144)[:, 0]
+    for j in range(1, 8):
+        acc = acc + y.view(8, 8, 6144)[:, j]
+    got = sum_top_k_slots(y, 8, torch.bfloat16)
+    lines.append(f"top-k sum launch: {'equal to' if torch.equal(got, acc.bfloat16()) else 'DIFFERS from'} the "
+                 f"slot-order sum then one bf16 rounding (8 tokens x 8 slots x 6144)")
     return lines
 
 
-# (K step, gate_up warps, down warps, gate_up rows, down rows): moe.dp4a_block_k, moe.dp4a_gate_up_options,
-# moe.dp4a_down_options, moe.GEMV_BLOCK_N, moe.gemv_down_block_n. The first is the setting the tree ships.
-DP4A_SWEEP = ((1024, 2, 4, 16, 32), (512, 2, 4, 16, 32), (256, 2, 4, 16, 32), (1024, 4, 8, 16, 32))
+def _planes_line(what: str, got: torch.Tensor, want: torch.Tensor, against: str) -> str:
+    """A line saying whether int8 planes equal the expected ones (reported, not raised: the timings are still
+    worth having)."""
+    if torch.equal(got, want):
+        return f"{what}: equal to {against}"
+    return (f"{what}: DIFFER from {against} in {int((got != want).sum())} of {got.numel()} words "
+            f"({int((got[:, 8] != want[:, 8]).sum())} -Σq, {int((got[:, 9] != want[:, 9]).sum())} scales)")
+
+
+def two_step_dp4a(x, topk_weights, topk_ids, gu: ExpertWeights, dn: ExpertWeights) -> torch.Tensor:
+    """The dp4a decode op as moe.fused_moe_triton ran it before 6fa2189 (the A of the A/B): rotation and quantization
+    of x and of h in separate launches, ids converted to int32 and weights to float32 in launches of their own,
+    torch's top-k sum and cast (two launches); nine launches at one token against five."""
+    tokens, top_k = topk_ids.shape
+    xr = gu.rotate_input(x).contiguous()
+    h = torch.empty((tokens * top_k, gu.shape[1] // 2), dtype=x.dtype, device=x.device)
+    y = torch.empty((tokens * top_k, gu.shape[2]), dtype=torch.float32, device=x.device)
+    routing = topk_weights.reshape(-1).float().contiguous()
+    expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    moe.launch_expert_dp4a(int8_activations.quantize_triton(xr, gu.format), h, expert_ids, gu, dual=True,
+                           a_row_div=top_k)
+    moe.launch_expert_dp4a(int8_activations.quantize_triton(dn.rotate_input(h), dn.format), y, expert_ids, dn,
+                           routing=routing)
+    return y.view(tokens, top_k, -1).sum(1).to(x.dtype)
+
+
+def new_dp4a(x, topk_weights, topk_ids, gu: ExpertWeights, dn: ExpertWeights) -> torch.Tensor:
+    """The dp4a decode op as moe.fused_moe_triton runs it (the B of the A/B)."""
+    return moe.fused_moe_triton(x, topk_weights, topk_ids, gu, dn, gemv=True, int8_activations=True)
+
+
+# (gate_up K step, down K step, gate_up warps, down warps, gate_up rows, down rows, rows per quantization program /
+# 32): moe.dp4a_block_k, moe.dp4a_down_block_k, moe.dp4a_gate_up_options, moe.dp4a_down_options, moe.GEMV_BLOCK_N,
+# moe.gemv_down_block_n, int8_activations.QUANTIZE_BLOCK_G. The first is the setting the tree ships.
+DP4A_SWEEP = ((1024, 1024, 2, 4, 16, 32, 16), (1024, 2048, 2, 4, 16, 32, 16), (1024, 1024, 2, 4, 16, 16, 16),
+              (1024, 1024, 2, 4, 16, 64, 16), (1024, 1024, 2, 4, 16, 32, 8), (1024, 1024, 2, 2, 16, 16, 16))
 
 
 def _dp4a_settings(config: tuple) -> None:
-    block_k, gu_warps, dn_warps, moe.GEMV_BLOCK_N, moe.gemv_down_block_n = config
-    moe.dp4a_block_k = block_k
+    moe.dp4a_block_k, moe.dp4a_down_block_k, gu_warps, dn_warps, moe.GEMV_BLOCK_N, moe.gemv_down_block_n, \
+        int8_activations.QUANTIZE_BLOCK_G = config
     moe.dp4a_gate_up_options = {"num_warps": gu_warps}
     moe.dp4a_down_options = {"num_warps": dn_warps}
 
 
 def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(1, 8), configs=DP4A_SWEEP,
                label: str = "") -> tuple:
-    """Kernel-only times of the integer-dot body at the deep shape (the two quantization launches included) for
-    DP4A_SWEEP (K step, gate_up warps, down warps, gate_up rows, down rows), each checked against the int8
-    reference; at one token also each launch alone. Returns the fastest setting (geometric mean) and leaves moe
-    at the shipped one (the first), which the rows after it measure."""
+    """Kernel-only times of the integer-dot body at the deep shape (the two rotate+quantize launches included) for
+    DP4A_SWEEP, each checked against the int8 reference; at one token also each launch alone. Returns the fastest
+    setting (geometric mean) and leaves moe at the shipped one (the first), which the rows after it measure."""
     saved = (moe.GEMV_BLOCK_N, moe.gemv_down_block_n)
     log_sum = _sweep_deep(
         "dp4a" + label, "dp4a", device, copy_gbs, formats, token_counts, configs, _dp4a_settings,
-        lambda *a: fused_moe_reference(*a, int8_activations=True),
-        lambda *a: moe.fused_moe_triton(*a, gemv=True, int8_activations=True), DP4A_BOUNDS[torch.bfloat16],
+        lambda *a: fused_moe_reference(*a, int8_activations=True), new_dp4a, DP4A_BOUNDS[torch.bfloat16],
         lambda sets, n_sets, gu, dn: _dp4a_launch_us(sets, n_sets, gu, dn, device), seed=11)
     best = configs[min(range(len(configs)), key=log_sum.__getitem__)]
     _dp4a_settings(configs[0])
@@ -504,23 +563,94 @@ def sweep_dp4a(device, copy_gbs: float, formats=("q2_0", "q1_0"), token_counts=(
     return best
 
 
-def _dp4a_launch_us(sets, n_sets: int, gu: ExpertWeights, dn: ExpertWeights, device) -> dict:
-    """Device microseconds of each launch of the integer-dot decode alone: quantize x, gate_up, quantize h, down."""
+def _dp4a_launch_us(sets, n_sets: int, gu: ExpertWeights, dn: ExpertWeights, device, two_step: bool = False) -> dict:
+    """Device microseconds of each launch of the integer-dot decode alone: rotate+quantize x, gate_up,
+    rotate+quantize h, down, top-k sum (``two_step``: the launches those replaced)."""
     prepared = []
     for x, w, ids, _ in sets[:n_sets]:
-        expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
         h = torch.randn((ids.numel(), gu.shape[1] // 2), device=device).to(x.dtype)
-        ax, ah = int8_activations.quantize_triton(x, gu.format), int8_activations.quantize_triton(h, dn.format)
-        y = torch.empty((ids.numel(), gu.shape[2]), dtype=torch.float32, device=device)
-        prepared.append((x, h, ax, ah, y, expert_ids, w.reshape(-1).float().contiguous(), ids.shape[1]))
-    launches = {
-        "quantize x": lambda p: int8_activations.quantize_triton(p[0], gu.format),
-        "gate_up": lambda p: moe.launch_expert_dp4a(p[2], p[1], p[5], gu, dual=True, a_row_div=p[7]),
-        "quantize h": lambda p: int8_activations.quantize_triton(p[1], dn.format),
-        "down": lambda p: moe.launch_expert_dp4a(p[3], p[4], p[5], dn, routing=p[6]),
-    }
+        ax = int8_activations.quantize_triton(x, gu.format, gu.group, gu.signs)
+        ah = int8_activations.quantize_triton(h, dn.format, dn.group, dn.signs)
+        y = torch.randn((ids.numel(), gu.shape[2]), device=device)
+        prepared.append((x, h, ax, ah, y, ids.reshape(-1), w.reshape(-1), ids.shape[1]))
+    if two_step:
+        launches = {
+            "rotate x": lambda p: gu.rotate_input(p[0]),
+            "quantize x": lambda p: int8_activations.quantize_triton(p[0], gu.format),
+            "rotate h": lambda p: dn.rotate_input(p[1]),
+            "quantize h": lambda p: int8_activations.quantize_triton(p[1], dn.format),
+            "ids to int32": lambda p: p[5].to(torch.int32),
+            "sum + cast": lambda p: p[4].view(-1, p[7], p[4].shape[1]).sum(1).to(p[0].dtype),
+        }
+    else:
+        launches = {
+            "rotate+quantize x": lambda p: int8_activations.quantize_triton(p[0], gu.format, gu.group, gu.signs),
+            "gate_up": lambda p: moe.launch_expert_dp4a(p[2], p[1], p[5], gu, dual=True, a_row_div=p[7]),
+            "rotate+quantize h": lambda p: int8_activations.quantize_triton(p[1], dn.format, dn.group, dn.signs),
+            "down": lambda p: moe.launch_expert_dp4a(p[3], p[4], p[5], dn, routing=p[6]),
+            "top-k sum": lambda p: sum_top_k_slots(p[4], p[7], p[0].dtype),
+        }
     return {k: time_ms(lambda j, f=f: f(prepared[j]), n_inputs=n_sets, device=device) * 1e3
             for k, f in launches.items()}
+
+
+def _graphed(calls: list):
+    """Each call captured in a CUDA graph of its own (after a warm-up call): returns replay functions."""
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for call in calls:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        graphs.append(g)
+    return [g.replay for g in graphs]
+
+
+def _dp4a_chain_rows(copy_gbs: float, device, token_counts=(1, 4, 8)) -> list[Row]:
+    """The A/B of 6fa2189 at the deep shape, q2_0 and q1_0: the full op (eager and replayed from a CUDA graph, as a
+    decode step runs it) and the kernels alone, the two-step chain (two_step_dp4a) as the baseline."""
+    gen = torch.Generator(device=device).manual_seed(12)
+    d, i, e = DEEP["d"], DEEP["i"], DEEP["experts"]
+    rows = []
+    for fmt in ("q2_0", "q1_0"):
+        gu = random_weights(fmt, e, 2 * i, d, device, gen)
+        dn = random_weights(fmt, e, d, i, device, gen)
+        for tokens in token_counts:
+            sets, n_sets, m = _decode_inputs(DEEP, tokens, device, gen)
+            nbytes = gu.packed_bytes(m) + dn.packed_bytes(m)
+            case = f"deep D6144 I2048 E64 top8 {fmt} decode T={tokens} ({m} experts)"
+            ops = {name: [functools.partial(op, *sets[j][:3], gu, dn) for j in range(n_sets)]
+                   for name, op in (("new", new_dp4a), ("old", two_step_dp4a))}
+            diff = (ops["new"][0]().float() - ops["old"][0]().float()).abs().max().item()
+            eager = {k: time_ms(lambda j, c=c: c[j](), n_inputs=n_sets, device=device) for k, c in ops.items()}
+            graph = {}
+            for k, c in ops.items():
+                replays = _graphed(c)
+                graph[k] = time_ms(lambda j, r=replays: r[j](), n_inputs=n_sets, device=device)
+            kernels = {k: [_prepared_kernels(st, gu, dn, body) for st in sets[:n_sets]]
+                       for k, body in (("new", "dp4a"), ("old", "dp4a_two_step"))}
+            k_ms = {k: time_ms(lambda j, c=c: c[j](), n_inputs=n_sets, device=device) for k, c in kernels.items()}
+            rows.append(Row(case + ", full op", eager["new"], eager["old"], nbytes, "two-step chain",
+                            f"5 launches vs 9 (+ torch's); max |new - old| {diff:.1e}"))
+            rows.append(Row(case + ", full op in a CUDA graph", graph["new"], graph["old"], nbytes, "two-step chain",
+                            "graph replay"))
+            rows.append(Row(case + ", kernels only", k_ms["new"], k_ms["old"], nbytes, "two-step chain",
+                            "rotate+quantize x, gate_up, rotate+quantize h, down (old: quantize only)"))
+            for row in rows[-3:]:  # printed as measured too: the table comes only at the end of the run
+                print(f"dp4a A/B: {row.case}: {row.ours_ms * 1e3:.1f} us vs {row.baseline_ms * 1e3:.1f} us "
+                      f"({row.fraction_of_copy(copy_gbs):.0%} of copy vs {nbytes / row.baseline_ms / 1e6 / copy_gbs:.0%})",
+                      flush=True)
+            if tokens == 1:
+                for two_step in (False, True):
+                    alone = _dp4a_launch_us(sets, n_sets, gu, dn, device, two_step)
+                    print(f"dp4a launches alone, {fmt} T=1{' (two-step chain)' if two_step else ''}: "
+                          + ", ".join(f"{k} {v:.1f} us" for k, v in alone.items()), flush=True)
+    return rows
 
 
 # (rows per program, q blocks per K step, warps, pipeline depth)
@@ -649,31 +779,24 @@ def routing_rows(device) -> list[Row]:
 
 
 def run_dp4a(device: torch.device, copy_gbs: float):
-    """EXPERTS_DP4A=1: the 8-bit-activation checks, the integer-dot sweep, and q1_0/q2_0 decode rows of the GEMV and
-    dp4a bodies only (deep T=1 and T=8); the float GEMV body is checked for q2_0 (its epilogue,
-    the same for every format, is shared with the dp4a body)."""
-    for check in (check_dp4a, functools.partial(check_gemv, formats=("q2_0",))):
-        try:
-            for line in check(device):
-                print("correctness:", line, flush=True)
-        except AssertionError as exc:  # reported; the sweep checks every setting it times again
-            print(f"correctness: FAILED: {exc}", flush=True)
-    sweep_dp4a(device, copy_gbs)
-    os.environ["TURBOSERVE_PDL"] = "0"  # the shipped setting once more without programmatic dependent launch
-    pdl._supported.cache_clear()
+    """EXPERTS_DP4A=1: the 8-bit-activation checks, the A/B of the one-launch rotation (6fa2189) against the two-step
+    chain at T=1/4/8, and the integer-dot sweep (EXPERTS_DP4A_SWEEP=0 leaves it out)."""
     try:
-        sweep_dp4a(device, copy_gbs, formats=("q2_0",), configs=DP4A_SWEEP[:1], label=" (PDL off)")
-    finally:
-        del os.environ["TURBOSERVE_PDL"]
-        pdl._supported.cache_clear()
+        for line in check_dp4a(device):
+            print("correctness:", line, flush=True)
+    except AssertionError as exc:  # reported; the sweep checks every setting it times again
+        print(f"correctness: FAILED: {exc}", flush=True)
     rows = []
-    for shape, label, tokens in ((DEEP, "deep D6144 I2048 E64 top8", (1, 8)),):
+    try:
+        rows += _dp4a_chain_rows(copy_gbs, device)
+    except Exception:  # noqa: BLE001 - keep what was measured
+        traceback.print_exc()
+    if os.environ.get("EXPERTS_DP4A_SWEEP") != "0":
         try:
-            rows += _decode_rows(shape, label, tokens, copy_gbs, device, formats=("q2_0", "q1_0"),
-                                 other_bodies=("gemv", "dp4a"))
-        except Exception:  # noqa: BLE001 - keep what was measured
+            sweep_dp4a(device, copy_gbs)
+        except Exception:  # noqa: BLE001 - informative only
             traceback.print_exc()
-    return "Quantized MoE experts: q1_0/q2_0 decode on 8-bit activations (dp4a) vs bf16 bmm", rows
+    return "Quantized MoE experts: q1_0/q2_0 dp4a decode, rotation and rounding in one launch vs the two-step chain", rows
 
 
 # Warps per CTA of the CUDA body's (gate_up, down) launches (moe_cuda.warps); the first is the setting the tree ships.

@@ -136,7 +136,7 @@ def count_dp4a(fmt: str, dual: bool, block_k: int | None = None, warps: int | No
     decode shape: loop instructions per weight a thread handles in one step, registers, spills, the loop's
     16-byte loads, IDP (dp4a) and shared-memory instructions (a layout conversion of the tile would show there)."""
     k = 6144 if dual else 2048
-    block_k = block_k or max({"q1_0": 128, "q2_0": 64}[fmt], min(moe.dp4a_block_k, k))
+    block_k = block_k or max({"q1_0": 128, "q2_0": 64}[fmt], min(moe.dp4a_block_k if dual else moe.dp4a_down_block_k, k))
     warps = warps or (moe.dp4a_gate_up_options if dual else moe.dp4a_down_options)["num_warps"]
     block_n = moe.GEMV_BLOCK_N if dual else moe.gemv_down_block_n
     sig = {"act_ptr": "*i32", "out_ptr": "*bf16" if dual else "*fp32", "expert_ids_ptr": "*i32",

@@ -230,7 +230,7 @@ def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
     _, rows, k = w.shape
     n = rows // 2 if dual else rows
     codes, d = w.tensors["codes"], w.tensors["d"]
-    block_k = max(K_UNIT[w.format], min(dp4a_block_k, triton.next_power_of_2(k)))
+    block_k = max(K_UNIT[w.format], min(dp4a_block_k if dual else dp4a_down_block_k, triton.next_power_of_2(k)))
     block_n = GEMV_BLOCK_N if dual else gemv_down_block_n
     grid = (expert_ids.numel(), triton.cdiv(n, block_n))
     with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_dp4a", act.device):
@@ -247,8 +247,10 @@ def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
 # inputs per K step (a program's bytes in flight: its next step's codes), and warps of the gate_up / down programs.
 # H200 sweep (HN block, 07:13 UTC), kernels only, q2_0 / q1_0 at 1 and 8 tokens: a K step of 1024 beat 512 and 256
 # everywhere (q2_0 34.7 / 37.5 / 46.7 us at one token, 180 / 193 / 295 us at 8; q1_0 28.7 / 34.1 / 39.5 and
-# 136 / 166 / 196 us); 4-warp gate_up and 8-warp down programs lost (40.6 us, 195 us).
+# 136 / 166 / 196 us); 4-warp gate_up and 8-warp down programs lost (40.6 us, 195 us). The down launch has its own
+# K step (its K, I = 2048, is two 1024 steps).
 dp4a_block_k = 1024
+dp4a_down_block_k = 1024
 dp4a_gate_up_options = {"num_warps": 2}
 dp4a_down_options = {"num_warps": 4}
 
