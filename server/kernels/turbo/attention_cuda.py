@@ -79,8 +79,6 @@ STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (more needs 
 # 0.2258 (0.2655) at 09:05; b8/16K 0.0687 (0.0747) against 0.0725 (0.0834) in the same call. Off by default until
 # a GPU perplexity run shows what its rounding costs (its outputs sit up to 1.8e-2 from the exact centroids').
 INT8_KEYS = os.environ.get("TURBOSERVE_TURBO_INT8_KEYS") == "1"
-# The int8 query is hi + lo / Q_LO (two int8 mmas): within step / (2 Q_LO) of the rotated query, not step / 2
-Q_LO = 254
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -234,13 +232,6 @@ __device__ __forceinline__ u32 s8x4(float x0, float x1, float x2, float x3) {  /
   asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i0) : "f"(x0)); asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i1) : "f"(x1));
   asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i2) : "f"(x2)); asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i3) : "f"(x3));
   return ((u32)i0 & 0xFFu) | (((u32)i1 & 0xFFu) << 8) | (((u32)i2 & 0xFFu) << 16) | ((u32)i3 << 24);
-}
-/* x = hi + lo / Q_LO within 1 / (2 Q_LO): hi = nearest(x) (|x| <= 127), lo = nearest((x - hi) Q_LO), |lo| <= 127 */
-#define Q_LO @QLO@
-__device__ __forceinline__ float q_rest(float x) { return (x - rintf(x)) * (float)Q_LO; }
-__device__ __forceinline__ void s8x4_split(const float* x, u32& hi, u32& lo) {
-  hi = s8x4(x[0], x[1], x[2], x[3]);
-  lo = s8x4(q_rest(x[0]), q_rest(x[1]), q_rest(x[2]), q_rest(x[3]));
 }
 
 /* What one warp step reads: the index words of its lane's K tokens (g, g+8) and V tokens (2t, 2t+1, 2t+8,
@@ -461,7 +452,6 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
      8 values of the lane's chunk c, as the K side decodes them. One scale per head and group (max |q| -> 127);
      kscale: what an int32 score unit of heads 2t, 2t+1 is worth (q unit times K8_UNIT) */
   u32 qb[NG][KCH][2];
-  __shared__ uint2 q_lo[NG][KCH][32];  /* the low parts (s8x4_split): the same in every warp, read per step */
   float kscale[NG][2];
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi) {
@@ -473,19 +463,14 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
     const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
 #pragma unroll
     for (int c = 0; c < KCH; ++c) {
-      float x[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = qs[g][base + 8 * c + j] * inv;
-      uint2 lo;
-      s8x4_split(x, qb[gi][c][0], lo.x);
-      s8x4_split(x + 4, qb[gi][c][1], lo.y);
-      if (warp == 0) q_lo[gi][c][lane] = lo;
+      const int d = base + 8 * c;
+      qb[gi][c][0] = s8x4(qs[g][d] * inv, qs[g][d + 1] * inv, qs[g][d + 2] * inv, qs[g][d + 3] * inv);
+      qb[gi][c][1] = s8x4(qs[g][d + 4] * inv, qs[g][d + 5] * inv, qs[g][d + 6] * inv, qs[g][d + 7] * inv);
     }
-    const float unit = mx * (1.0f / (127.0f * Q_LO)) * K8_UNIT;
+    const float unit = mx * (1.0f / 127.0f) * K8_UNIT;
     kscale[gi][0] = bits_f(shfl_idx(f_bits(unit), 8 * t));      /* lane (g = 2t, 0) */
     kscale[gi][1] = bits_f(shfl_idx(f_bits(unit), 8 * t + 4));  /* lane (g = 2t + 1, 0) */
   }
-  __syncthreads();
 #else
   /* Q^T as B fragments, head g: k-step s of group gi pairs the lane's logical columns 2t, 2t+1 with
      physical dims base + 4s, +1 and 2t+8, 2t+9 with base + 4s + 2, +3 (base = gi G + t G/4) */
@@ -548,10 +533,9 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
     float s[4];
 #if INT8_KEYS
     {
-      int sk[NG][4];  /* exact: |sum| <= G 127^2 < 2^21, so Q_LO sum_hi + sum_lo < 2^29 */
+      int sk[NG][4];  /* exact: |sum| <= G 127^2 < 2^21 */
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) {
-        int sl[4] = {0, 0, 0, 0};
         sk[gi][0] = sk[gi][1] = sk[gi][2] = sk[gi][3] = 0;
 #pragma unroll
         for (int c = 0; c < KCH; ++c) {
@@ -560,11 +544,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
           lookup_s8<KB>(selector<KB>(cur.k[0][gi][KB == 4 ? c : c / 2], cb, cur.k[0][gi][KW - 1]), lut_k, a0, a2);
           lookup_s8<KB>(selector<KB>(cur.k[1][gi][KB == 4 ? c : c / 2], cb, cur.k[1][gi][KW - 1]), lut_k, a1, a3);
           imma(sk[gi], a0, a1, a2, a3, qb[gi][c][0], qb[gi][c][1]);
-          const uint2 lo = q_lo[gi][c][lane];
-          imma(sl, a0, a1, a2, a3, lo.x, lo.y);
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sk[gi][i] = sk[gi][i] * Q_LO + sl[i];
       }
       const float kn0 = lo_f(cur.kn[0]), kn1 = lo_f(cur.kn[1]);
       s[0] = i2f(sk[0][0]) * (kn0 * kscale[0][0]); s[1] = i2f(sk[0][1]) * (kn0 * kscale[0][1]);
@@ -801,7 +781,7 @@ def source(k_bits: int = 3, v_bits: int = 3, head_dim: int = 128, page_size: int
     int8 mmas, module docstring)."""
     group = group_size(head_dim)
     values = dict(D=head_dim, G=group, KB=k_bits, VB=v_bits, PS=page_size, NPT=pair_tiles,
-                  QBF16=int(bf16_queries), WARPS=warps, MIN_BLOCKS=blocks, INT8K=int(int8_keys), QLO=Q_LO,
+                  QBF16=int(bf16_queries), WARPS=warps, MIN_BLOCKS=blocks, INT8K=int(int8_keys),
                   K8TABLE=", ".join(f"{w:#010x}u" for w in int8_table_words(k_bits, group)),
                   K8UNIT=f"{int8_centroids(k_bits, group)[1]:.9e}f")
     text = _SOURCE
@@ -811,10 +791,9 @@ def source(k_bits: int = 3, v_bits: int = 3, head_dim: int = 128, page_size: int
 
 
 def _shared_bytes(head_dim: int, pair_tiles: int, warps: int) -> int:
-    """The kernel's static shared memory, at most: the queries and offset terms (before the main loop) or the
-    warps' outputs (after it, in the same space), the warps' maxima and sums, and the int8-key build's query low
-    parts (8 bytes a dim; counted for both builds)."""
-    return 4 * max(8 * head_dim + 16 * 8 * pair_tiles, warps * 8 * head_dim) + 4 * (2 * warps * 8 + 8 + 1) + 8 * head_dim
+    """The kernel's static shared memory: the queries and offset terms (before the main loop) or the warps'
+    outputs (after it, in the same space), and the warps' maxima and sums."""
+    return 4 * max(8 * head_dim + 16 * 8 * pair_tiles, warps * 8 * head_dim) + 4 * (2 * warps * 8 + 8 + 1)
 
 
 def default_warps(head_dim: int, pair_tiles: int) -> int:

@@ -71,12 +71,9 @@ def cuda_decode(store, meta, q, dtype=torch.float16, splits=None, triton=True, *
 
 
 def int8_query(rotated):
-    """The int8 build's query per head and group (last dim): hi + lo / Q_LO steps of max |q'| / 127, hi the nearest
-    integer, lo the nearest integer to the rest times Q_LO (all zero for a zero group)."""
+    """The int8 build's query per head and group (last dim): the nearest multiple of max |q'| / 127."""
     step = rotated.abs().amax(-1, keepdim=True) / 127
-    x = torch.where(step > 0, rotated / step, 0.0)
-    hi = torch.round(x)
-    return (hi + torch.round((x - hi) * attention_cuda.Q_LO) / attention_cuda.Q_LO) * step
+    return torch.where(step > 0, torch.round(rotated / step), 0.0) * step
 
 
 def int8_keys_oracle(q, store, meta, scale, keys=None):
@@ -255,7 +252,8 @@ def test_cuda_decode_replays_in_a_cuda_graph_at_other_lengths():
 @needs_gpu
 def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
     """fp32 queries, more than 8 query heads per KV head, or TURBOSERVE_CUDA_KERNELS=0: None (Triton serves).
-    TurboKVStore.attend's decode step takes the CUDA kernel where it runs."""
+    TurboKVStore.attend's decode step takes the CUDA kernel where it runs and the call has CUDA_DECODE_MIN_WORK,
+    the Triton kernel below it."""
     store, meta, q = scenario([40, 3], [1, 1], 1, 16, 64, "turbo3", "turbo3", seed=9)
     k, v, _, gmeta, gq, signs = on_gpu(store, meta, q, torch.float16)
     args = (k, v, gmeta, 0.125, signs, store.inv_sqrt)
@@ -271,6 +269,11 @@ def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
     calls = []
     real = store_module.decode_attention_cuda
     monkeypatch.setattr(store_module, "decode_attention_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert 2 * 2 * 40 < store_module.CUDA_DECODE_MIN_WORK
+    got = gpu_store.attend(gq, gmeta, 0.125).double().cpu()
+    assert calls == [], "a decode step this small must take the Triton kernel"
+    assert_close(got, oracle(q.half().double(), store, meta, 0.125), 3e-3, "store.attend's Triton decode vs float64")
+    monkeypatch.setattr(store_module, "CUDA_DECODE_MIN_WORK", 2 * 2 * 40)
     got = gpu_store.attend(gq, gmeta, 0.125).double().cpu()
     assert calls == [1], "the decode step did not take the CUDA kernel"
     want = (int8_keys_oracle if attention_cuda.INT8_KEYS else oracle)(q.half().double(), store, meta, 0.125)
@@ -348,11 +351,12 @@ def test_int8_tables_decode_every_code_at_every_position(bits, group):
 def test_int8_key_scores_error_follows_the_rounding_analysis(kind):
     """The int8 build's logit error (attention_cuda docstring) is what rounding predicts, and far below turbo's own.
 
-    Per group, score error = n (e . c8 + q' . eps): e the query's rounding error (uniform in +-step / (2 Q_LO),
-    step = max |q'| / 127, so variance step^2 / (12 Q_LO^2) per dim, independent of the keys) and eps = c8 - c the
-    centroids' fixed rounding, a zero-mean error over the symmetric codebook's indices. So the predicted variance
-    is n^2 (step^2 / (12 Q_LO^2) ||c8||^2 + sum_d q'_d^2 E[eps^2]); measured within 20 % of it. That error is
-    >= 20x below the logit error turbo's quantization itself makes (vs the unquantized keys)."""
+    Per group, score error = n (e . c8 + q' . eps): e the query's rounding error (uniform in +-step/2, step =
+    max |q'| / 127, so variance step^2 / 12 per dim, independent of the keys) and eps = c8 - c the centroids' fixed
+    rounding, a zero-mean error over the symmetric codebook's indices. So the predicted variance is
+    n^2 (step^2 / 12 ||c8||^2 + sum_d q'_d^2 E[eps^2]); measured within 20 % of it. That error is >= 10x below the
+    logit error turbo's quantization itself makes (vs the unquantized keys; measured 50x turbo2, 28x turbo3, 13x
+    turbo4 at D = 128)."""
     gen = torch.Generator().manual_seed(0)
     bits, head_dim = {"turbo2": 2, "turbo3": 3, "turbo4": 4}[kind], 128
     keys = torch.randn(4096, head_dim, generator=gen, dtype=torch.float64) * 2 + 0.5
@@ -363,7 +367,7 @@ def test_int8_key_scores_error_follows_the_rounding_analysis(kind):
     c8 = torch.tensor(c8, dtype=torch.float64) * unit
     c = torch.tensor(codebook(bits, head_dim).centroids, dtype=torch.float64)
     rotated = q @ rotation_matrix64(head_dim).T
-    step = rotated.abs().amax(-1, keepdim=True) / (127 * attention_cuda.Q_LO)
+    step = rotated.abs().amax(-1, keepdim=True) / 127
     exact = rotated @ (c[idx] * n[:, None]).T
     int8 = int8_query(rotated) @ (c8[idx] * n[:, None]).T
     measured = (int8 - exact).pow(2).mean().sqrt().item()
@@ -372,4 +376,4 @@ def test_int8_key_scores_error_follows_the_rounding_analysis(kind):
                                    + rotated.pow(2).sum(-1, keepdim=True) * eps2)).mean().sqrt().item()
     assert 0.8 < measured / predicted < 1.25, f"measured rms {measured:.4g} vs predicted {predicted:.4g}"
     turbo = (q @ keys.T - exact).pow(2).mean().sqrt().item()
-    assert turbo > 20 * measured, f"turbo's own logit error {turbo:.4g} vs int8's {measured:.4g}"
+    assert turbo > 10 * measured, f"turbo's own logit error {turbo:.4g} vs int8's {measured:.4g}"
