@@ -1,14 +1,21 @@
-"""Where an 8B-shaped batch-1 decode step spends its time outside the CUDA graph (GPU only).
+"""Where a batch-1 decode step spends its time, per kernel, through the engine's captured CUDA graph (GPU only).
 
-    python bench/decode_step_profile.py
+    python bench/decode_step_profile.py                      # 8B shape, bf16 KV, 300 tokens of context
+    python bench/decode_step_profile.py --shape depth-2048 --kv-cache-dtype bf16,turbo3 --depth 16384,65536
 
-Drives DecodeGraphs the way the runner does (inputs from the host, replay, LM head, greedy argmax,
-token read back) and prints: wall time per step of that loop, the host time of each piece, the
-device time of one replay after an idle device, then a torch.profiler trace of 4 steps: the largest
-gaps between device activities (under the profiler, host work is slower than without it) and the
-device time per kernel per step. Prints only; docs/BENCHMARKS.md records what it said.
+Per (KV cache dtype, depth): the shape's random-weight model over one KV store per layer (turbo kinds with a
+random key offset like the engine's default, partial on DEFAULT_KV_KEY_TURNED_PAIRS pairs per KV head:
+bench/kernels_turbo.engine_key_offset), every page filled with random data, the decode graph captured as the
+engine captures it (DecodeGraphs, planned for max_model_len = depth + 33 like bench/e2e.py's depth rows) and
+replayed at depth + 16 tokens. Prints the runner loop's wall time per step (inputs from the host, replay, LM
+head, greedy argmax, token read back) and its host pieces, the device time of one replay (back-to-back replays,
+device events), then a torch.profiler trace of STEPS replays: device time per kernel per step, and the device's
+idle time between kernels. Under PDL (server/kernels/pdl.py) a kernel launched early counts its wait in its own
+time, so the projections' rows are upper bounds; kernels launched plainly (the attention kernels) are not.
+Prints only; docs/BENCHMARKS.md records what it said.
 """
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,39 +26,92 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.e2e import SHAPES, build_random_model  # noqa: E402
+from bench.kernels_turbo import engine_key_offset  # noqa: E402
+from server.config import DEFAULT_KV_KEY_TURNED_PAIRS  # noqa: E402
 from server.kernels.paged_kv import DenseKVStore  # noqa: E402
+from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 from server.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
 
+PAGE = 16
+STEPS = 8  # profiled replays
+DEPTH_SLACK = 33  # bench/e2e.py's depth rows: max_model_len = depth + 32 timed tokens + 1
 
-def main() -> None:
-    dev = torch.device("cuda")
-    cfg = SHAPES["llama3-8b"]
-    loaded = build_random_model(cfg, dev, torch.bfloat16)
-    stores = [DenseKVStore(32, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev) for _ in range(cfg.num_layers)]
-    seq_len = 300
-    table = torch.arange(32, dtype=torch.int32, device=dev)[None]
-    graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, dev)
+
+def make_stores(cfg, kind: str, num_pages: int, dev: torch.device) -> list:
+    """One store per layer, every page random (turbo: valid codes, norms around a key's size)."""
+    stores = []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(cfg.num_layers):
+        if kind == "bf16":
+            store = DenseKVStore(num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, dev)
+            store.k_pages.normal_()
+            store.v_pages.normal_()
+        else:
+            store = TurboKVStore(num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, kind, kind, dev, torch.bfloat16)
+            store.set_key_offset(engine_key_offset(cfg.num_kv_heads, cfg.head_dim, dev, gen, cfg.rope_theta,
+                                                   DEFAULT_KV_KEY_TURNED_PAIRS))
+            for pages in (store.k, store.v):
+                pages.codes.random_(0, 256)
+                pages.norms.uniform_(8.0, 12.0)
+        stores.append(store)
+    return stores
+
+
+def kernel_table(prof, steps: int) -> int:
+    """Prints the device time per kernel per step, the largest idle gaps between kernels and the device's busy
+    share; returns the device activities seen."""
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)  # fmt: skip
+    if not evs:
+        return 0
+    per_kernel: dict[str, list[float]] = {}
+    for e in evs:
+        per_kernel.setdefault(e.name[:60], []).append(e.time_range.end - e.time_range.start)
+    busy, end = 0.0, evs[0].time_range.start
+    for e in evs:  # union of the kernels' intervals (PDL overlaps them)
+        busy += max(0.0, e.time_range.end - max(end, e.time_range.start))
+        end = max(end, e.time_range.end)
+    span = end - evs[0].time_range.start
+    print(f"  profiled {steps} replays: {len(evs) / steps:.0f} device activities a step, busy {busy / steps:.1f} of "
+          f"{span / steps:.1f} us a step")
+    print(f"  {'us/step':>9} {'calls':>6} {'us/call':>8}  kernel")
+    for name, times in sorted(per_kernel.items(), key=lambda x: -sum(x[1]))[:14]:
+        print(f"  {sum(times) / steps:9.1f} {len(times) / steps:6.1f} {sum(times) / len(times):8.2f}  {name}")
+    gaps = [(b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(evs, evs[1:])]
+    for g, a, b in sorted((g for g in gaps if g[0] > 2), reverse=True)[:4]:
+        print(f"  gap {g:6.1f} us after {a} before {b}")
+    return len(evs)
+
+
+def profile_case(loaded, kind: str, depth: int, dev: torch.device) -> None:
+    cfg = loaded.config
+    max_model_len = depth + DEPTH_SLACK
+    seq_len = depth + 16
+    max_pages = -(-max_model_len // PAGE)
+    stores = make_stores(cfg, kind, max_pages + 1, dev)
+    graphs = DecodeGraphs(loaded.model, stores, 1, max_pages, max_model_len, dev)
     graphs.capture()
-    args = ([7], [seq_len - 1], [seq_len - 1], [seq_len], table.cpu().numpy())
+    table = torch.arange(-(-seq_len // PAGE), dtype=torch.int32)[None].numpy()
+    args = ([7], [seq_len - 1], [seq_len - 1], [seq_len], table)
     model = loaded.model
 
     def step():
         return model.compute_logits(graphs.run_host(*args)).argmax(-1).tolist()
 
+    print(f"{cfg.num_layers} layers, {kind} KV, depth {depth} (seq_len {seq_len}, graph planned for {max_model_len}):",
+          flush=True)
     with torch.inference_mode():
-        for _ in range(10):
+        for _ in range(5):
             step()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(30):
+        for _ in range(20):
             step()
-        print(f"loop {((time.perf_counter() - t) / 30) * 1e6:.0f} us/step")
+        print(f"  runner loop {((time.perf_counter() - t) / 20) * 1e6:.0f} us/step")
         torch.cuda.synchronize()
         t = time.perf_counter()
-        graphs.run_host(*args)
-        print(f"run_host (returns): cpu {(time.perf_counter() - t) * 1e6:.0f} us")
-        torch.cuda.synchronize()
         h = graphs.run_host(*args)
+        c0 = time.perf_counter() - t
         torch.cuda.synchronize()
         t = time.perf_counter()
         logits = model.compute_logits(h)
@@ -60,27 +120,46 @@ def main() -> None:
         c2 = time.perf_counter() - t
         torch.cuda.synchronize()
         c3 = time.perf_counter() - t
-        print(f"compute_logits cpu {c1 * 1e6:.0f} us, +argmax {c2 * 1e6:.0f} us, done (gpu) {c3 * 1e6:.0f} us")
+        print(f"  host: run_host returns after {c0 * 1e6:.0f} us; compute_logits {c1 * 1e6:.0f} us, +argmax "
+              f"{c2 * 1e6:.0f} us, done (gpu) {c3 * 1e6:.0f} us")
+        graph = graphs.graphs[1]
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        graphs.graphs[1].replay()
+        for _ in range(30):
+            graph.replay()
         e1.record()
         torch.cuda.synchronize()
-        print(f"single replay after idle: {e0.elapsed_time(e1) * 1e3:.0f} us device")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(4):
-                step()
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)  # fmt: skip
-    gaps = [(b.time_range.start - a.time_range.end, a.name[:60], b.name[:60]) for a, b in zip(evs, evs[1:])]
-    for g, a, b in sorted((g for g in gaps if g[0] > 4), reverse=True)[:12]:
-        print(f"gap {g:8.1f} us after {a} before {b}")
-    per_kernel: dict[str, float] = {}
-    for e in evs:
-        per_kernel[e.name[:50]] = per_kernel.get(e.name[:50], 0.0) + e.time_range.end - e.time_range.start
-    for name, total in sorted(per_kernel.items(), key=lambda x: -x[1])[:10]:
-        print(f"{total / 4:9.1f} us/step  {name}")
+        print(f"  replay (back to back): {e0.elapsed_time(e1) * 1e3 / 30:.1f} us device a step")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(STEPS):
+                graph.replay()
+            torch.cuda.synchronize()
+        if kernel_table(prof, STEPS) < cfg.num_layers * STEPS:  # the profiler did not see inside the graph
+            print("  graph kernels not traced; eager steps instead (launch gaps larger than in the graph):")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(STEPS):
+                    model.forward(graphs.input_ids[:1], graphs.positions[:1], stores, graphs._meta(1))
+                torch.cuda.synchronize()
+            kernel_table(prof, STEPS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo3")
+    p.add_argument("--depth", default="300", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 16384,65536")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    loaded = build_random_model(SHAPES[args.shape], dev, torch.bfloat16)
+    for kind in args.kv_cache_dtype:
+        for depth in args.depth:
+            try:
+                profile_case(loaded, kind, depth, dev)
+            except Exception as exc:  # report and go on: one failing case must not cost the others
+                print(f"{kind} @ {depth}: FAILED {exc!r}", flush=True)
+            torch.cuda.empty_cache()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -49,11 +49,14 @@ from server.kernels.turbo.quantize import TurboPages
 LOG2E = 1.4426950408889634
 # Tokens per inner step and warps: 64 / 4 measured fastest (with 128 / 8 close), programs per
 # SM 8 at batch 8 (vs 4 and 16) while batch 1 at 64K wanted splits of >= ~1000 tokens: the H200
-# sweeps of bench/turbo_decode_sweep.py, docs/BENCHMARKS.md.
+# sweeps of bench/turbo_decode_sweep.py, docs/BENCHMARKS.md. Fewer (sequence, KV head) rows than that
+# fills: shorter splits while they fit one wave (choose_splits).
 BLOCK_N = 64
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
+RESIDENT_PROGRAMS = 4  # programs an SM holds at once at MAX_REGISTERS: one wave
 MIN_SPLIT_TOKENS = 1024  # shorter splits spend more on their Q rotation and partial outputs than they hide
+MIN_SPLIT_BLOCKS = 2  # ... and never shorter than this many blocks
 # 4 programs per SM instead of ptxas's 3 (137 registers): turbo3 b8/64K 0.429 -> 0.405 ms, b1/64K
 # 0.073 -> 0.063 ms (H200, docs/BENCHMARKS.md 2026-11-30 01:38); a few instructions more, no spills.
 MAX_REGISTERS = 128
@@ -370,16 +373,23 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Split long contexts into at most PROGRAMS_PER_SM programs per SM (flash-decoding), but not into
-    splits shorter than MIN_SPLIT_TOKENS unless that leaves SMs without a program.
+    splits shorter than MIN_SPLIT_TOKENS unless they all fit one wave (RESIDENT_PROGRAMS per SM), and never
+    shorter than MIN_SPLIT_BLOCKS blocks. Returns the count the launch ends with (whole blocks per split).
 
     At most, not about: one program over two waves of the 4 resident programs per SM is a third
     wave (H200, b8/64K at 128 registers: 16 splits 0.470 ms, the 17 of rounding up 0.494 ms).
+    One wave of short splits beats fewer long ones when the rows are few: H200, 2026-11-30 10:49 UTC,
+    bench/turbo_b1_sweep.py (batch 1, 8 KV heads, turbo3, partial key offset, microseconds a layer in a
+    decode graph): 16K 65 splits 24.5, 33 splits 25.1, the rule before's 17 (splits of >= 1024 tokens) 32.7;
+    4K 33 splits of 2 blocks 13.3, 65 of 1 block 14.8, the rule before's 17 14.7; 64K 65 splits (unchanged) 64.1.
     """
     blocks = max(1, triton.cdiv(max_seq_len, block_n))
     rows = max(1, num_seqs * kv_heads)
-    wanted = PROGRAMS_PER_SM * multiprocessors(device) // rows
-    long_enough = max(triton.cdiv(multiprocessors(device), rows), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
-    return max(1, min(blocks, wanted, long_enough))
+    sms = multiprocessors(device)
+    wanted = PROGRAMS_PER_SM * sms // rows
+    long_enough = max(RESIDENT_PROGRAMS * sms // rows, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
+    splits = max(1, min(triton.cdiv(blocks, MIN_SPLIT_BLOCKS), wanted, long_enough))
+    return triton.cdiv(blocks, triton.cdiv(blocks, splits))
 
 
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,

@@ -71,7 +71,7 @@ KERNEL_NAME = "turbo_decode"
 WARPS = 8
 TILE = 16  # tokens per warp step: the mma's M (scores) and K (values) side
 RESIDENT_WARPS = 16  # warps per SM at 128 registers: the split rule fills one wave of them (choose_splits)
-MIN_SPLIT_TOKENS = 1024
+LONG_SPLIT_TOKENS = 2048  # one CTA per SM gives splits longer than this: fill the wave instead (choose_splits)
 MAX_GQA = 8  # the mma's N side holds the query heads of one KV head
 STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (more needs an opt-in the launcher lacks)
 # Scores by int8 mmas (module docstring) unless a call says otherwise: opt-in, TURBOSERVE_TURBO_INT8_KEYS=1. H200
@@ -836,13 +836,18 @@ def _kernel(q: torch.Tensor, k_bits: int, v_bits: int, page_size: int, pair_tile
 
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, warps: int = WARPS) -> int:
-    """attention.choose_splits' rule with this kernel's numbers: one wave of CTAs (RESIDENT_WARPS per SM; a
-    CTA's prologue, the query's rotation, costs a few tiles: longer splits amortize it; H200: 4 splits of 16K
-    beat 8 at b8/64K), splits of at least MIN_SPLIT_TOKENS unless that leaves SMs idle."""
+    """Whole waves of CTAs: one per SM (sms // rows splits) while that keeps splits at most LONG_SPLIT_TOKENS
+    long, else one wave of all the CTAs an SM holds (RESIDENT_WARPS; a CTA's prologue, the query's rotation,
+    costs a few tiles: longer splits amortize it; H200: 4 splits of 16K beat 8 at b8/64K). A count between
+    the two puts a second CTA on some SMs only, which then finish last: H200, 2026-11-30 10:49 UTC,
+    bench/turbo_b1_sweep.py (batch 1, 8 KV heads, turbo3, partial key offset, microseconds a layer): 16K 15
+    splits 27.8, the 17 of the rule before 29.0, 33 splits 30.1; 64K 16 splits 55.8, 24 63.3, 33 53.5; 4K
+    11 splits (16 asked, whole tiles) 19.6, 17 21.7."""
     sms, rows = multiprocessors(device), max(1, num_seqs * kv_heads)
-    long_enough = max(-(-sms // rows), -(-max_seq_len // MIN_SPLIT_TOKENS))
-    wanted = max(1, RESIDENT_WARPS // warps) * sms // rows
-    return max(1, min(-(-max_seq_len // (TILE * warps)), wanted, long_enough))
+    per_sm = max(1, sms // rows)
+    wave = max(1, RESIDENT_WARPS // warps) * sms // rows
+    splits = per_sm if -(-max_seq_len // per_sm) <= LONG_SPLIT_TOKENS else max(per_sm, wave)
+    return max(1, min(-(-max_seq_len // (TILE * warps)), splits))
 
 
 @functools.cache

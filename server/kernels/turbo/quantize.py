@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels import pdl
 from server.kernels.backend import inline_ptx, multiprocessors
+from server.kernels.pdl import gdc_wait
 from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
@@ -47,15 +49,24 @@ class StoreLaunch:
 
     Each of K and V gets ``programs_per_sm`` programs per SM (one per tile when there are fewer tiles),
     each looping over tiles of ``rows`` token-head rows, so the sign patterns and the codebook are loaded
-    once per program (the compiler cannot hoist loads past the stores). ``stages`` > 1 prefetches the
-    next tiles' K/V (cp.async); ``max_registers`` caps registers for more programs per SM.
+    once per program (the compiler cannot hoist loads past the stores); a call whose tiles of ``small_rows``
+    rows give every program at most one (decode steps) takes those, so its few rows spread over more
+    programs. ``stages`` > 1 prefetches the next tiles' K/V (cp.async); ``max_registers`` caps registers
+    for more programs per SM. ``pdl``: a programmatic dependent launch (server/kernels/pdl.py), so a decode
+    step's store is scheduled while the qkv projection before it (which lets dependents start at once) still
+    runs, and waits for it on the device.
     """
 
     rows: int = 32  # fastest on the H200 for turbo3, second for turbo4 (docs/BENCHMARKS.md, 01:39 UTC)
+    # H200 2026-11-30 10:49 UTC, bench/turbo_b1_sweep.py, one token x 8 KV heads of turbo3 with the partial key
+    # offset, microseconds a layer in a decode graph: rows 32 / 4 warps 3.84 (3.56 with pdl), rows 8 / 4 warps
+    # 2.27, rows 8 / 2 warps 2.99 (2.75 with pdl)
+    small_rows: int = 8
     programs_per_sm: int = 4
     num_warps: int = 4
     stages: int = 1
     max_registers: int | None = 128  # H200 01:49 UTC: turbo3 0.162 vs 0.180 ms uncapped, turbo4 0.192 vs 0.199
+    pdl: bool = True
 
 
 STORE_LAUNCH = StoreLaunch()
@@ -222,8 +233,10 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                   first_ptr, second_ptr, inv_sqrt, n_rows,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     # K_OFFSET: "none", "fixed" or "turned" (store_turbo_triton's key_offset and key_offset_turns)
+    if USE_PDL:  # StoreLaunch.pdl: scheduled while the previous kernel runs; k and v are its output
+        gdc_wait()
     if tl.program_id(1) == 0:
         _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_const,
                        k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
@@ -237,11 +250,13 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                        k_pages: TurboPages, v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor],
                        inv_sqrt: float, key_offset: KeyOffset | None = None, key_offset_turns: bool = True,
-                       launch: StoreLaunch = STORE_LAUNCH) -> None:
+                       launch: StoreLaunch | None = None) -> None:
     """Quantize k - o(positions) and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch
     for both. ``key_offset`` (contiguous float32 tensors, TurboKVStore.key_offset); None: the spec's plain format.
     ``key_offset_turns`` False promises o(p) = const everywhere (KeyOffset.turns): no angles computed.
+    ``launch``: None takes STORE_LAUNCH.
     """
+    launch = launch or STORE_LAUNCH
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
@@ -249,12 +264,12 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     if n_rows == 0:
         return
     group = group_size(head_dim)
-    tiles = triton.cdiv(n_rows, launch.rows)
-    if k.device.type == "cuda":
-        programs = min(tiles, multiprocessors(k.device) * launch.programs_per_sm)
-    else:
-        programs = min(tiles, INTERPRETER_PROGRAMS)
+    most = multiprocessors(k.device) * launch.programs_per_sm if k.device.type == "cuda" else INTERPRETER_PROGRAMS
+    rows = launch.small_rows if n_rows <= launch.small_rows * most else launch.rows
+    tiles = triton.cdiv(n_rows, rows)
+    programs = min(tiles, most)
     options = {} if launch.max_registers is None else {"maxnreg": launch.max_registers}
+    options.update(pdl.launch_options(k.device) if launch.pdl else {"USE_PDL": False})
     unused = k_pages.centroids  # any float32 pointer for the offset arguments: never read without K_OFFSET
     offset = ((unused,) * 4 if key_offset is None else
               (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq))
@@ -264,7 +279,7 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
             k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids, *offset,
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
             signs[0], signs[1], inv_sqrt, n_rows,
-            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=launch.rows, D=head_dim, G=group,
+            H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
             K_OFFSET="none" if key_offset is None else ("turned" if key_offset_turns else "fixed"),
             STAGES=launch.stages,

@@ -27,6 +27,15 @@ from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo
 
 
+# The decode takes the CUDA C kernel for calls with at least this much work ((sequence, KV head) rows times the
+# planned context), the Triton kernel below it: there the CUDA kernel's fixed costs (per CTA the query's rotation
+# and the split merge, ~20 us at batch 1 and 4K) outweigh its faster tiles. H200, 2026-11-30 10:49 UTC,
+# bench/turbo_b1_sweep.py (batch 1, 8 KV heads, turbo3, partial key offset, microseconds a layer in a decode graph,
+# each at its best split count): 4K Triton 13.3 vs CUDA C 19.6, 16K 24.5 vs 27.8, 64K 64.1 vs 53.5 (lines through
+# the last two cross near 27K tokens; 2^18 = 8 rows x 32K).
+CUDA_DECODE_MIN_WORK = 1 << 18
+
+
 def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
     book = codebook(layout.bits, layout.group)
     return TurboPages(
@@ -133,10 +142,11 @@ class TurboKVStore:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
         key_offset = self.key_offset if self.offset_turns else None
-        if use_triton(q) and meta.is_decode_only:  # the CUDA C kernel where it runs (attention_cuda.supports)
-            out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
-            if out is not None:
-                return out
+        if use_triton(q) and meta.is_decode_only:
+            if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:  # where it runs (supports)
+                out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
+                if out is not None:
+                    return out
             return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)
