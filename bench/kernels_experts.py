@@ -534,8 +534,8 @@ def new_dp4a(x, topk_weights, topk_ids, gu: ExpertWeights, dn: ExpertWeights) ->
 # (gate_up K step, down K step, gate_up warps, down warps, gate_up rows, down rows, rows per quantization program /
 # 32): moe.dp4a_block_k, moe.dp4a_down_block_k, moe.dp4a_gate_up_options, moe.dp4a_down_options, moe.GEMV_BLOCK_N,
 # moe.gemv_down_block_n, int8_activations.QUANTIZE_BLOCK_G. The first is the setting the tree ships.
-DP4A_SWEEP = ((1024, 1024, 2, 4, 16, 32, 16), (1024, 2048, 2, 4, 16, 32, 16), (1024, 1024, 2, 4, 16, 16, 16),
-              (1024, 1024, 2, 4, 16, 64, 16), (1024, 1024, 2, 4, 16, 32, 8))
+DP4A_SWEEP = ((1024, 1024, 2, 4, 16, 32, 8), (1024, 1024, 2, 4, 16, 32, 16), (1024, 2048, 2, 4, 16, 32, 8),
+              (1024, 1024, 2, 4, 16, 16, 8), (1024, 1024, 2, 4, 16, 64, 8))
 
 
 def _dp4a_settings(config: tuple) -> None:

@@ -125,6 +125,9 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
         _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through dp4a (moe_dp4a.py)")
         # Five launches, each scheduled early through PDL: rotate+quantize x, gate_up, rotate+quantize h, down, the
         # top-k sum. The kernels read the router's ids and weights in their own dtypes (no conversion launches).
+        # Nine before (rotations, quantizations, ids to int32, torch's sum and cast apart). H200, D=6144 I=2048 E=64
+        # top-8 (HW block, 10:55 UTC), the op in a CUDA graph: q2_0 46.1 -> 35.8 us at one token, 189.0 -> 181.2 at
+        # 8; q1_0 40.8 -> 31.6 and 147.5 -> 137.7 us; the same bits at one token.
         expert_ids, routing = topk_ids.reshape(-1), topk_weights.reshape(-1)
         launch_expert_dp4a(quantize_int8(x, gate_up.format, gate_up.group, gate_up.signs), h, expert_ids, gate_up,
                            dual=True, a_row_div=top_k)

@@ -14,8 +14,11 @@ instructions per weight for q2_0 (3 shifts + 4 masks + 4 dp4a per 16 weights); w
 scales the K loop is 1.0-1.2 per weight at sm_90 (`python bench/sass_experts.py --dp4a`, Triton 3.6.0) against
 3.7-4.1 for the float GEMV body, so the body streams instead of issuing: H200, D=6144 I=2048 E=64 top-8, kernels
 only with both quantization launches, q2_0 one token 34.7 us (58 % of copy; float GEMV body 61.6 us), 8 tokens
-180 us (89 %; 400 us); q1_0 28.7 and 136 us (63.3 and 408 us). At one token the four launches' ramps and tails
-are what is left (each quantization launch 5 us alone; PDL overlaps them: 41.2 -> 37.5 us at a 512 step).
+180 us (89 %; 400 us); q1_0 28.7 and 136 us (63.3 and 408 us). At one token the launches' ramps and tails
+are what is left (each quantization launch 5 us alone; PDL overlaps them: 41.2 -> 37.5 us at a 512 step); since
+the rotations moved into the quantization launches and the top-k sum into one launch (sum_top_k_slots), the whole
+op is five launches: 35.8 us in a CUDA graph for q2_0 at one token (56 % of copy; gate_up 19.8 and down 13.6 us
+alone, which no overlap of the small launches can get under).
 
 Numerics: the products are exact; what changes is the activations, rounded to int8 per 32 (|error| <= s/2 per
 value). The reference with the same rounding is moe_reference.fused_moe_reference(..., int8_activations=True).

@@ -45,7 +45,7 @@ def test_group_rounding_is_within_half_a_step_and_uses_the_full_int8_range():
 @pytest.mark.parametrize("fmt", ["q2_0", "q1_0"])
 def test_planes_hold_each_q_in_the_byte_the_weight_codes_unpack_to(fmt):
     """Planes as the docstring lays them out, checked position by position; the Triton kernel bit for bit, at
-    22 groups (two programs, the second partial) with an all-zero group."""
+    22 groups (three programs, the last partial) with an all-zero group."""
     a = torch.randn(2, 22 * 32, generator=torch.Generator().manual_seed(1))
     a[0, 64:96] = 0
     q, s = act8.group_scales(a)
@@ -76,10 +76,11 @@ ROTATIONS = [("q2_0", 256, torch.float32), ("q1_0", 64, torch.float16), ("q2_0",
 def test_rotation_and_rounding_in_one_launch_give_the_planes_of_the_two_step_chain(fmt, group, dtype):
     """quantize_triton given a rotation, bit for bit against its torch definition (rotate, store in a's dtype,
     quantize) and against the two launches it replaces (rotation.rotate_triton, then quantize_triton): 40 int8
-    groups a row (three programs at group 256, the last partial), 3 rows of different magnitudes, an all-zero
-    rotation group."""
+    groups a row at group 256, else 42 (6 programs, the last partial), 3 rows of different magnitudes, an
+    all-zero rotation group."""
     gen = torch.Generator().manual_seed(group)
-    a = (torch.randn(3, 40 * 32, generator=gen) * torch.tensor([1.0, 1e-2, 30.0])[:, None]).to(dtype)
+    groups = 40 if group == 256 else 42
+    a = (torch.randn(3, groups * 32, generator=gen) * torch.tensor([1.0, 1e-2, 30.0])[:, None]).to(dtype)
     a[1, group:2 * group] = 0
     signs = weights.random_signs(group, seed=group + 1)
     want = act8.quantize_reference(a, fmt, group, signs)
