@@ -26,17 +26,20 @@ run time by NVRTC, no headers, PTX for everything beyond plain C):
     into fp16 high + low parts (3 mmas) so the fp16 operands cost no accuracy; position 0 gets
     <q, sink - const - mean> more;
   * ``int8_keys`` (a build of ``source``; INT8_KEYS the default): scores by m16n8k32 int8 mmas. K codes
-    decode to int8 centroids (int8_centroids: the codebook scaled so its largest |centroid| is 127, rounded)
+    decode to int8 centroids (int8_centroids: the codebook as int8 times a least-squares unit)
     by ONE PRMT per 4 values (lookup_s8; fp16 takes 2 lookups + 2 interleaves), straight into the A fragments
     (lane t's 4 bytes are 4 consecutive values of its chunk); Q^T is rounded to int8 once per warp, per head
     and group (step max |q'| / 127), as B; score = exact int32 sum * step * centroid unit * K norm. sm_90, turbo3,
     D = 128, per 16-token step: 362 instructions instead of 417 (PRMT 112 instead of 160), 442 instead of 494
-    with the partial8 offset. Accuracy: rounding q (|error| <= step / 2) and the centroids (<= unit / 2) adds a
-    logit error whose rms the uniform-rounding model predicts within 1 % (CPU test), 1/51 (turbo2), 1/21
-    (turbo3), 1/12 (turbo4) of the logit error turbo's quantization itself makes vs the unquantized keys; on
-    the tests' keys (N(0.5, 4) per dim, logits of std ~2) outputs move by up to 1.8e-2 of their scale from the
-    exact-centroid oracle (the fp16 build: ~1e-3), so the GPU tests check this build against its own
-    definition. Values stay fp16 (int8 V would need a per-tile P scale and 32 int-to-float conversions a step);
+    with the partial8 offset. Accuracy: rounding q (|error| <= step / 2) and the centroids adds a logit error
+    whose rms the uniform-rounding model predicts within 20 % (CPU test), 1/53 (turbo2), 1/28 (turbo3), 1/13
+    (turbo4) of the logit error turbo's quantization itself makes vs the unquantized keys; on the tests' keys
+    (N(0.5, 4) per dim, logits of std ~2) outputs move by up to 2.2e-2 of their scale from the exact-centroid
+    oracle (D = 64, turbo4 K, partial8 offset; the fp16 build: ~3e-3), so the GPU tests check this build against
+    its own definition. The query's rounding is most of it: a hi + lo / 254 split (two int8 mmas) made it
+    negligible but cost 15 % at b8/64K with the partial8 offset (0.2554 ms against 0.2219; H200 10:55 UTC),
+    where the build already sits at 128 registers. Values stay fp16 (int8 V would need a per-tile P scale and
+    32 int-to-float conversions a step);
   * loads: each warp prefetches its next tile's code words and norms into registers (and the one after's
     block-table entry) while a tile computes; the first tile's while the query is rotated.
 The kernel is bound by its integer pipe (PRMT, LOP3, shifts: ~270 of ~420 instructions a 16-token step at
@@ -75,9 +78,11 @@ LONG_SPLIT_TOKENS = 2048  # one CTA per SM gives splits longer than this: fill t
 MAX_GQA = 8  # the mma's N side holds the query heads of one KV head
 STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (more needs an opt-in the launcher lacks)
 # Scores by int8 mmas (module docstring) unless a call says otherwise: opt-in, TURBOSERVE_TURBO_INT8_KEYS=1. H200
-# (2026-11-30 09:27 UTC, turbo3, 32q/8kv, d128): b8/64K 0.2030 ms (partial8 0.2219) against the fp16 build's
-# 0.2258 (0.2655) at 09:05; b8/16K 0.0687 (0.0747) against 0.0725 (0.0834) in the same call. Off by default until
-# a GPU perplexity run shows what its rounding costs (its outputs sit up to 1.8e-2 from the exact centroids').
+# (2026-11-30 10:58 UTC, turbo3, 32q/8kv, d128): b8/64K 0.2027 ms (partial8 0.2228) against the fp16 build's
+# 0.2363 (0.2663); b8/16K 0.0686 (0.0751) against 0.0727 (0.0837), one call. Off by default because the rounding
+# shows in the embedded model's perplexity through the decode kernel (every position scored by it, GPU, bf16,
+# 4 x 2048 windows, partial8): turbo3 27.3176 -> 27.3928 (+0.28 %), turbo4 26.2780 -> 26.4114 (+0.51 %), bf16
+# 25.6512 (docs/BENCHMARKS.md, Quality).
 INT8_KEYS = os.environ.get("TURBOSERVE_TURBO_INT8_KEYS") == "1"
 
 _SOURCE = r"""
