@@ -124,8 +124,7 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     q = qs[0]
     num_seqs, q_heads = q.shape[0], q.shape[1]
     blocks = triton.cdiv(metas[0].max_seq_len, attention.BLOCK_N)
-    chunk = triton.cdiv(blocks, splits) * attention.BLOCK_N
-    splits = triton.cdiv(metas[0].max_seq_len, chunk)
+    splits = triton.cdiv(blocks, triton.cdiv(blocks, splits))  # as decode_attention_triton trims them
     part_acc = torch.randn(num_seqs * q_heads * splits, HEAD_DIM, device=device)
     part_m = torch.randn(num_seqs * q_heads * splits, device=device)
     part_l = torch.rand_like(part_m) + 1
@@ -134,7 +133,7 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     def merge(i):
         attention._merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), metas[i].query_start_loc, metas[i].seq_lens, part_acc, part_m,
-            part_l, chunk, splits, store.signs[0], store.signs[1], store.inv_sqrt,
+            part_l, splits, store.signs[0], store.signs[1], store.inv_sqrt, BLOCK=attention.BLOCK_N,
             SPLIT_TILE=attention.MERGE_SPLIT_TILE, D=HEAD_DIM, G=HEAD_DIM, LOG2_G=HEAD_DIM.bit_length() - 1)
 
     return time_ms(merge, n_inputs=len(metas), device=device)

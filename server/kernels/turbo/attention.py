@@ -255,10 +255,17 @@ def _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P: tl.constexpr, 
 
 
 @triton.jit
+def _split_tokens(seq_len, num_splits, BLOCK: tl.constexpr):
+    """Tokens per split of a sequence: whole blocks, cut from the sequence's own length, not the launch's planned
+    one (a CUDA graph plans for the longest context; short sequences would leave most splits idle)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK), 1) * BLOCK
+
+
+@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
                    inv_sqrt, qk_scale, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, pairs_ptr, part_acc_ptr,
-                   part_m_ptr, part_l_ptr, chunk, num_splits, H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   part_m_ptr, part_l_ptr, num_splits, H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                    K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
@@ -269,6 +276,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = _split_tokens(seq_len, num_splits, BLOCK)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -336,14 +344,15 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
 @triton.jit
 def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr,
-                  part_l_ptr, chunk, num_splits, first_ptr, second_ptr, inv_sqrt,
+                  part_l_ptr, num_splits, first_ptr, second_ptr, inv_sqrt, BLOCK: tl.constexpr,
                   SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
     """One program per (sequence, query head): log-sum-exp merge of its splits, SPLIT_TILE at a time."""
     NG: tl.constexpr = D // G
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part0 = (seq * tl.num_programs(1) + head) * num_splits
-    used = tl.minimum((tl.load(seq_lens_ptr + seq) + chunk - 1) // chunk, num_splits)  # splits the decode kernel wrote
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.minimum(tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, BLOCK)), num_splits)  # splits that wrote
     tile = tl.arange(0, SPLIT_TILE)
     m_max = float("-inf")
     for s0 in range(0, used, SPLIT_TILE):
@@ -413,9 +422,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         return out
     if num_splits is None:
         num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, block_n)
-    blocks = max(1, triton.cdiv(meta.max_seq_len, block_n))
-    chunk = triton.cdiv(blocks, num_splits) * block_n
-    num_splits = max(1, triton.cdiv(meta.max_seq_len, chunk))
+    blocks = max(1, triton.cdiv(meta.max_seq_len, block_n))  # _split_tokens at the longest context
+    num_splits = max(1, triton.cdiv(blocks, triton.cdiv(blocks, num_splits)))
     part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -432,7 +440,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             scale * LOG2E, *((part_m,) * 4 + (meta.seq_lens,) if key_offset is None else  # never read without OFFSET
                              (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq,
                               key_offset.pairs)),
-            part_acc, part_m, part_l, chunk, num_splits, OFFSET=key_offset is not None, P=pairs, PP=padded_pairs,
+            part_acc, part_m, part_l, num_splits, OFFSET=key_offset is not None, P=pairs, PP=padded_pairs,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),
@@ -443,7 +451,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         )
         _merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
-            chunk, num_splits, signs[0], signs[1], inv_sqrt, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim, G=group,
+            num_splits, signs[0], signs[1], inv_sqrt, BLOCK=block_n, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1,
         )
     return out

@@ -338,6 +338,14 @@ __device__ __forceinline__ void rotate_rows(float (*x)[D], const int* first, con
   __syncthreads();
 }
 
+/* Tokens per split of a sequence: whole rounds of the warps' 16-token tiles, cut from the sequence's own length,
+   not the launch's planned one (a CUDA graph plans for the longest context; short sequences would leave most
+   splits idle). The merge recomputes it to know how many splits wrote. */
+__device__ __forceinline__ int split_tokens(int seq_len, int num_splits) {
+  const int per_split = (seq_len + num_splits - 1) / num_splits;
+  return max(1, (per_split + 16 * WARPS - 1) / (16 * WARPS)) * 16 * WARPS;
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const int* __restrict__ q_start,
              const int* __restrict__ seq_lens, const int* __restrict__ tables, int tables_stride, int h_kv, int gqa,
@@ -348,10 +356,11 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
              const float* __restrict__ off_const, const float* __restrict__ off_mean,
              const float* __restrict__ off_sink,
              const float* __restrict__ inv_freq, const int* __restrict__ pairs, int num_pairs,
-             float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int chunk,
+             float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l,
              int num_splits, u16* __restrict__ out, int out_stride_t, int out_stride_h, u32* __restrict__ counters) {
   const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int seq_len = seq_lens[seq];
+  const int chunk = split_tokens(seq_len, num_splits);
   const int start = split * chunk;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (start >= seq_len) {  /* splits past the end write nothing; the merge skips them */
@@ -711,7 +720,8 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
   __shared__ int is_last;
   asm volatile("membar.gl;" ::: "memory");  /* this thread's partials, visible on the GPU before the count */
   __syncthreads();
-  const int used = min((seq_len + chunk - 1) / chunk, num_splits);  /* CTAs of the row that do not exit early */
+  const int len = ld_volatile(seq_lens + seq), step = split_tokens(len, num_splits);
+  const int used = min((len + step - 1) / step, num_splits);  /* CTAs of the row that do not exit early */
   if (tid == 0) {
     u32 done;
     asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(done) : "l"(counters + seq * h_kv + kvh) : "memory");
@@ -888,9 +898,8 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
         return out
     if num_splits is None:
         num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, warps)
-    tiles = max(1, -(-meta.max_seq_len // (TILE * warps)))
-    chunk = -(-tiles // num_splits) * TILE * warps
-    num_splits = max(1, -(-meta.max_seq_len // chunk))
+    rounds = max(1, -(-meta.max_seq_len // (TILE * warps)))  # the kernel's split_tokens at the longest context
+    num_splits = max(1, -(-rounds // -(-rounds // num_splits)))
     part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -904,7 +913,7 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
             meta.block_tables.stride(0), kv_heads, q_heads // kv_heads, k_pages.codes, k_pages.norms,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], float(inv_sqrt),
-            float(scale * attention.LOG2E), *offset, pairs, part_acc, part_m, part_l, chunk, num_splits,
+            float(scale * attention.LOG2E), *offset, pairs, part_acc, part_m, part_l, num_splits,
             out, out.stride(0), out.stride(1), _split_counters(q.device, num_seqs * kv_heads)])
     return out
 

@@ -125,16 +125,20 @@ def test_decoded_tile_column_order_and_merge_tiles_do_not_change_the_result(monk
     assert_close(decode_attention_triton(*args, num_splits=5), natural.double(), 1e-5, "merge in tiles of 2")
 
 
-def test_fused_decode_serves_any_length_under_a_capture_time_hint():
-    """CUDA-graph contract: launch planned for 1000 tokens, real lengths shorter, a padding row of length 0."""
-    store, meta, q = scenario([45, 3], [1, 1], 2, 2, 64, "turbo3", "turbo3", seed=9)
+@pytest.mark.parametrize("lengths,planned,splits", [([45, 3], 1000, None), ([1000, 3], 4096, 8)])
+def test_fused_decode_serves_any_length_under_a_capture_time_hint(lengths, planned, splits):
+    """CUDA-graph contract: launch planned for more tokens than the real lengths, a padding row of length 0.
+    Splits are cut from each sequence's own length: 1000 tokens in 8 splits of 2 blocks, where the planned
+    4096 would give splits of 8 blocks, 2 of them used."""
+    store, meta, q = scenario(lengths, [1, 1], 2, 2, 64, "turbo3", "turbo3", seed=9)
     want = oracle(q, store, meta, 0.125)
     padded_q = torch.cat([q, torch.randn(1, *q.shape[1:])])
     tables = torch.cat([meta.block_tables, torch.full((1, meta.block_tables.shape[1]), 10**6, dtype=torch.int32)])
-    hinted = AttentionMetadata(meta.slot_mapping, tables, torch.tensor([45, 3, 0], dtype=torch.int32),
-                               torch.arange(4, dtype=torch.int32), [1000] * 3, [1] * 3)
-    out = decode_attention_triton(padded_q, store.k, store.v, hinted, 0.125, store.signs, store.inv_sqrt)
-    assert_close(out[:2], want, 2e-5, "decode planned for 1000 tokens")
+    hinted = AttentionMetadata(meta.slot_mapping, tables, torch.tensor([*lengths, 0], dtype=torch.int32),
+                               torch.arange(4, dtype=torch.int32), [planned] * 3, [1] * 3)
+    out = decode_attention_triton(padded_q, store.k, store.v, hinted, 0.125, store.signs, store.inv_sqrt,
+                                  num_splits=splits)
+    assert_close(out[:2], want, 2e-5, f"decode planned for {planned} tokens")
     assert out[2].eq(0).all(), "a seq_len-0 padding row must come out zero (and read no page)"
 
 
