@@ -1,11 +1,12 @@
 """Batch-1 turbo attention per layer as a decode graph runs it: store + decode launch settings against bf16 (GPU).
 
-    python bench/turbo_b1_sweep.py [--contexts 4096,16384,65536] [--layers 24] [--batch 1] [--rules-only]
+    python bench/turbo_b1_sweep.py [--contexts 4096,16384,65536] [--layers 24] [--batch 1] [--rules-only] [--plan N]
 
 The engine's depth shape (bench/e2e.py depth-2048: 16 query / 8 KV heads, head_dim 128), turbo3 K and V with a
 random key offset like the engine's default (partial on DEFAULT_KV_KEY_TURNED_PAIRS pairs per KV head), bf16
 queries, ``--batch`` sequences of context + 16 tokens whose launch is planned for context + 33 (bench/e2e.py's
-depth rows). Each variant is timed as a CUDA graph of ``--layers`` layers, each with its own random pages and the
+depth rows), or for ``--plan`` tokens where that is more (a server's max_model_len: its CUDA graphs plan every
+decode for it). Each variant is timed as a CUDA graph of ``--layers`` layers, each with its own random pages and the
 layer's neighbours in a decode step around the attention: the qkv projection before it (a programmatic
 dependent launch that lets the next kernel start, server/kernels/pdl.py) and the output projection after it
 (gemv.linear on random weights). Printed: microseconds per layer the attention adds to the projections alone
@@ -54,9 +55,9 @@ class Layers:
     """``layers`` layers of ``batch`` sequences: turbo and bf16 pages, block tables, q, the new tokens' k/v,
     weights."""
 
-    def __init__(self, layers: int, ctx: int, batch: int, dev: torch.device):
+    def __init__(self, layers: int, ctx: int, batch: int, dev: torch.device, plan: int):
         gen = torch.Generator().manual_seed(ctx)
-        self.seq_len, plan = ctx + 16, ctx + 33
+        self.seq_len = ctx + 16
         pages = -(-plan // PAGE)
         total = layers * batch * pages
         self.store = TurboKVStore(total, PAGE, KV_HEADS, HEAD_DIM, KIND, KIND, dev, torch.bfloat16)
@@ -146,14 +147,15 @@ def _splits_after_rounding(tokens: int, tile: int, splits: int) -> int:
     return -(-tokens // chunk)
 
 
-def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: bool, rules_only: bool) -> None:
-    layers = Layers(n, ctx, batch, dev)
+def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: bool, rules_only: bool,
+                  plan: int) -> None:
+    layers = Layers(n, ctx, batch, dev, plan)
     for i in range(n):  # the new token in every layer's pages, as the reference will see it
         layers.store_new(i, StoreLaunch())
     torch.cuda.synchronize()
     ref = layers.reference(0)
     base = graph_us(layers, n, None)
-    print(f"b{batch} ctx {ctx} (seq_len {layers.seq_len}, planned for {ctx + 33}): projections alone "
+    print(f"b{batch} ctx {ctx} (seq_len {layers.seq_len}, planned for {plan}): projections alone "
           f"{base / n:.1f} us a layer", flush=True)
     rows = []
 
@@ -179,7 +181,6 @@ def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: 
         for launch in STORE_LAUNCHES:
             case(f"store alone rows={launch.rows} small_rows={launch.small_rows} warps={launch.num_warps} "
                  f"pdl={launch.pdl}", lambda i, launch=launch: layers.store_new(i, launch))
-    plan = ctx + 33
     seen = set()
     for warps in (8, 4):
         for splits in CUDA_SPLITS:
@@ -209,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rules-only", action="store_true")
+    p.add_argument("--plan", type=int, default=0, help="plan the launches for this many tokens (default: context + 33)")
     args = p.parse_args(argv)
     dev = require_gpu()
     for j, ctx in enumerate(args.contexts):
-        sweep_context(ctx, args.layers, args.batch, dev, j == 0, args.rules_only)
+        sweep_context(ctx, args.layers, args.batch, dev, j == 0, args.rules_only, max(ctx + 33, args.plan))
         torch.cuda.empty_cache()
     return 0
 
