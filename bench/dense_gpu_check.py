@@ -320,7 +320,7 @@ def decode_step_timings(device, copy_gbs: float) -> None:
     for s in stores:
         s.k_pages.normal_()
         s.v_pages.normal_()
-    seq_len = 300
+    seq_len = 200  # a short chat turn: the 256-token context bucket
     table = torch.arange(32, dtype=torch.int32, device=device)[None]
     meta = AttentionMetadata(torch.tensor([seq_len - 1], device=device), table,
                              torch.tensor([seq_len], dtype=torch.int32, device=device),
@@ -337,12 +337,18 @@ def decode_step_timings(device, copy_gbs: float) -> None:
         if configs == "swept":
             gemv.MEASURED_M1.update(best_configs)
         try:
-            graphs = DecodeGraphs(loaded.model, stores, 1, 32, 8192, device)
+            graphs = DecodeGraphs(loaded.model, stores, 1, 32, cfg.max_position_embeddings, device)
             graphs.capture()
             outputs[setting + configs + str(pre)] = graphs.run(ids, positions, meta).clone()
-            ms = time_ms(lambda _: graphs.graphs[1].replay(), warmup=5, iters=30, device=device)
+            ms = time_ms(lambda _: graphs.graphs[1, graphs.context_bucket(seq_len)].replay(), warmup=5, iters=30,
+                         device=device)
             if setting + configs + str(pre) == f"1default{pre_default}":
                 host_loop_ms = _runner_loop_ms(loaded.model, graphs, ids, positions, meta)
+                # Every bucket's plan is valid at this length: what a plan for longer contexts costs here.
+                for context_len in graphs.context_lens[1:]:
+                    other = time_ms(lambda _: graphs.graphs[1, context_len].replay(), warmup=5, iters=30, device=device)
+                    print(f"8B decode forward b1 at context {seq_len}, graph planned for {context_len}: "
+                          f"{other * 1e3:.0f} us/step", flush=True)
         finally:
             gemv.MEASURED_M1.clear()
             gemv.MEASURED_M1.update(measured)

@@ -281,8 +281,8 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
             prompt = max(depth, 1)
             length = prompt + DEPTH_NEW_TOKENS
             try:
-                engine = make_engine(loaded, 1, length + 1, kv_dtype, length + 16, 8192, args.async_scheduling,
-                                     offset)
+                engine = make_engine(loaded, 1, max(length + 1, args.max_model_len), kv_dtype, length + 16, 8192,
+                                     args.async_scheduling, offset)
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
                 lines.append(f"| {name} | decode b1 @ {depth} ({label}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)
@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transformers", action="store_true", help="also time transformers generate() here")
     p.add_argument("--context-depth", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                    help="e.g. 0,16384,65536: decode at these depths on the depth-2048 shape")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="depth rows: the engine's max_model_len (its decode graphs plan for it; default depth + 33)")
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
     p.add_argument("--kv-key-offset", default=DEFAULT_KV_KEY_OFFSET, type=lambda s: s.split(","),
                    help="turbo K offsets to compare, e.g. partial,fixed,turned (the engine's default pair count)")

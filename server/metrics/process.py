@@ -22,7 +22,8 @@ steps = Counter("turboserve_engine_steps", "Engine steps run, by whether a CUDA 
                 LABELS + ["cuda_graph"])  # fmt: skip
 engine_alive = Gauge("turboserve_engine_alive", "1 while the engine step loop runs, 0 once it died.", LABELS)
 cuda_graphs_captured = Gauge(
-    "turboserve_cuda_graphs_captured", "Decode batch sizes captured as CUDA graphs (0: eager).", LABELS
+    "turboserve_cuda_graphs_captured", "Decode CUDA graphs captured, one per batch size and context bucket (0: eager).",
+    LABELS,
 )
 
 

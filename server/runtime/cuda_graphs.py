@@ -6,14 +6,22 @@ batch size in ``capture_sizes`` and replayed: the step's inputs are copied into 
 buffers, the batch is padded up to the next captured size, and the graph runs.
 
 Padding rows must be harmless: their slot is -1 (the fast KV write stores nothing) and their
-seq_len is 0 (decode attention returns zeros for them), so they never touch a page. Graphs
-are captured with a context-length hint of ``max_model_len`` because the decode kernel
-picks its split count at capture time and the graph replays at every length
-(server/kernels/dense_attention.py computes split ranges on the device).
+seq_len is 0 (decode attention returns zeros for them), so they never touch a page.
+
+A decode kernel plans its launch from the longest context the host metadata names: the
+flash-decoding splits and partial buffers, and for turbo KV which kernel runs (Triton for short
+work, CUDA C for long: TurboKVStore.attend). So each batch size is captured once per context
+bucket (``context_buckets``) with that bucket as the hint, and a replay takes the smallest bucket
+that holds the batch's longest context. One hint of ``max_model_len`` runs the longest plan at
+every length: turbo3 at batch 1, 2K context, graphs planned for 64K, 23.8 us a layer of attention
+against 11.8 for the Triton decode a 2K plan picks (H200, bench/turbo_b1_sweep.py --plan, 11:40
+UTC 2026-11-30). Dense bf16 decode cuts its splits per sequence on the device and showed no gain
+from the buckets (docs/BENCHMARKS.md, 02:55 UTC).
 
 A KV store opts in with a class attribute ``cuda_graph_safe = True``, which promises exactly
 that: a negative slot writes nothing, a row with seq_len 0 reads nothing and stays finite, and
-launch shapes depend on the host metadata only, never on the values of ``seq_lens``.
+launch shapes depend on the host metadata only, never on the values of ``seq_lens``; a launch
+planned for a longest context L is correct for every batch whose contexts are at most L.
 
 A replay's inputs arrive in two host-to-device copies (one int64 buffer: ids, positions, slots;
 one int32 buffer: seq_lens, block tables) from pinned memory straight into the buffers the graphs
@@ -41,6 +49,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def context_buckets(max_model_len: int, shortest: int = 256, step: int = 8) -> list[int]:
+    """Launch-planning context lengths of the captures: 256, 2048, 16384, ... and max_model_len.
+
+    Steps of 8x keep every replayed plan within 8x of the context it serves, at 3-5 captures
+    per batch size for 8K-128K models.
+    """
+    buckets = []
+    while shortest < max_model_len:
+        buckets.append(shortest)
+        shortest *= step
+    return buckets + [max_model_len]
+
+
 def graphs_unavailable_reason(device: torch.device, stores: list[KVLayerStore]) -> str | None:
     """Why decode steps must run eagerly here, or None when they can be captured."""
     unsafe = next((type(s).__name__ for s in stores if not getattr(s, "cuda_graph_safe", False)), None)
@@ -54,7 +75,8 @@ def graphs_unavailable_reason(device: torch.device, stores: list[KVLayerStore]) 
 
 
 class DecodeGraphs:
-    """Captured ``model.forward`` of decode batches; ``run`` replays the smallest that fits."""
+    """Captured ``model.forward`` of decode batches, keyed by (batch size, context bucket); ``run`` replays
+    the smallest that fits."""
 
     def __init__(
         self,
@@ -67,7 +89,7 @@ class DecodeGraphs:
     ):
         self.model, self.stores, self.device = model, stores, device
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_model_len = max_model_len
+        self.context_lens = context_buckets(max_model_len)
         largest = self.sizes[-1]
         pinned = device.type == "cuda"
         self._host64 = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pinned)
@@ -81,39 +103,44 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         # Recorded after each copy out of the host buffers: the next fill waits for it.
         self._copied = torch.cuda.Event() if pinned else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _meta(self, n: int) -> AttentionMetadata:
+    def _meta(self, n: int, context_len: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n],
             block_tables=self.block_tables[:n],
             seq_lens=self.seq_lens[:n],
             query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens_cpu=[self.max_model_len] * n,  # launch-planning hint only: the graph serves every length
+            seq_lens_cpu=[context_len] * n,  # launch-planning hint only: the graph serves every length up to it
             query_lens_cpu=[1] * n,
         )
 
-    def _forward(self, n: int) -> torch.Tensor:
-        return self.model.forward(self.input_ids[:n], self.positions[:n], self.stores, self._meta(n))
+    def _forward(self, n: int, context_len: int) -> torch.Tensor:
+        return self.model.forward(self.input_ids[:n], self.positions[:n], self.stores, self._meta(n, context_len))
 
     @torch.inference_mode()
     def capture(self) -> None:
         # Largest first, so the smaller graphs fit in the memory pool the largest one reserved.
         # The static slots are all -1 and seq_lens 0 here: capture writes and reads no page.
         pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.sizes):
-            self._forward(n)  # warm-up outside the capture: Triton compiles, the allocator settles
+        for key in sorted(((n, c) for n in self.sizes for c in self.context_lens), reverse=True):
+            self._forward(*key)  # warm-up outside the capture: Triton compiles, the allocator settles
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[n] = self._forward(n)
-            self.graphs[n] = graph
+                self.outputs[key] = self._forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        log.info("captured decode CUDA graphs for batch sizes %s x longest contexts %s", self.sizes, self.context_lens)
 
-    def can_run(self, num_rows: int, decode_only: bool, table_width: int) -> bool:
-        return 0 < num_rows <= self.sizes[-1] and decode_only and table_width <= self.block_tables.shape[1]
+    def can_run(self, num_rows: int, decode_only: bool, table_width: int, longest_context: int) -> bool:
+        return (0 < num_rows <= self.sizes[-1] and decode_only and table_width <= self.block_tables.shape[1]
+                and longest_context <= self.context_lens[-1])  # fmt: skip
+
+    def context_bucket(self, longest_context: int) -> int:
+        """The context bucket a replay for this longest context takes (check ``can_run`` first)."""
+        return next(c for c in self.context_lens if c >= longest_context)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode batch given as device tensors (tests, benches)."""
@@ -127,6 +154,7 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of a decode batch given on the host (check ``can_run`` first)."""
         n, width = len(input_ids), block_tables.shape[1]
         size = next(s for s in self.sizes if s >= n)
+        context_len = self.context_bucket(max(seq_lens))
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffers (done long ago;
             # an event never recorded returns at once)
@@ -143,8 +171,8 @@ class DecodeGraphs:
             self._inputs64[0, :n].copy_(device_ids)
         if self._copied is not None:
             self._copied.record()
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        self.graphs[size, context_len].replay()
+        return self.outputs[size, context_len][:n]
 
 
 def maybe_capture_decode_graphs(

@@ -145,7 +145,7 @@ class ModelRunner:
         """The model call; decode-only steps that fit a captured size replay a CUDA graph.
         ``device_ids`` (async scheduling) replaces the batch's token ids with ones still on the device."""
         self.used_cuda_graph = self.graphs is not None and self.graphs.can_run(
-            len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1]
+            len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1], max(batch.seq_lens)
         )
         if self.used_cuda_graph:
             return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 
 from server.kernels.paged_kv import DenseKVStore
-from server.runtime.cuda_graphs import capture_sizes, graphs_unavailable_reason, maybe_capture_decode_graphs
+from server.runtime.cuda_graphs import (
+    capture_sizes,
+    context_buckets,
+    graphs_unavailable_reason,
+    maybe_capture_decode_graphs,
+)
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -17,6 +22,18 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
     for max_num_seqs in range(1, 70):
         sizes = capture_sizes(max_num_seqs)
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs, sizes
+
+
+def test_context_buckets_grow_eightfold_up_to_max_model_len():
+    assert context_buckets(100) == [100]
+    assert context_buckets(256) == [256]
+    assert context_buckets(257) == [256, 257]
+    assert context_buckets(8192) == [256, 2048, 8192]
+    assert context_buckets(131072) == [256, 2048, 16384, 131072]
+    for max_model_len in (1, 255, 2048, 2049, 40000, 1 << 20):
+        buckets = context_buckets(max_model_len)
+        assert buckets[-1] == max_model_len and buckets == sorted(set(buckets))
+        assert all(b <= 8 * a for a, b in zip(buckets, buckets[1:])), buckets
 
 
 def test_no_graphs_on_cpu_or_when_eager():
@@ -56,18 +73,22 @@ def test_replay_pads_with_rows_that_touch_no_page(monkeypatch):
         store.k_pages.normal_()
         store.v_pages.normal_()
 
+    replays = []
+
     class RerunGraph:
-        def __init__(self, graphs, n):
-            self.graphs, self.n = graphs, n
+        def __init__(self, key):
+            self.key = key
 
         def replay(self):
-            self.graphs.outputs[self.n].copy_(self.graphs._forward(self.n))
+            replays.append(self.key)
+            graphs.outputs[self.key].copy_(graphs._forward(*self.key))
 
     graphs = DecodeGraphs(model, stores, 4, width, 256, torch.device("cpu"))
+    graphs.context_lens = [8, 16, 32]  # the pages here hold 32 tokens a sequence: three buckets to choose from
     with torch.inference_mode():
-        for n in graphs.sizes:
-            graphs.outputs[n] = graphs._forward(n)
-            graphs.graphs[n] = RerunGraph(graphs, n)
+        for key in ((n, c) for n in graphs.sizes for c in graphs.context_lens):
+            graphs.outputs[key] = graphs._forward(*key)
+            graphs.graphs[key] = RerunGraph(key)
         lens = [3, 9, 14]  # three rows replay the size-4 "graph" with one padding row
         tables = torch.tensor([[0, 1, 2, 3, 0, 0, 0, 0], [7, 5, 6, 0, 0, 0, 0, 0], [11, 10, 9, 8, 0, 0, 0, 0]],
                               dtype=torch.int32)  # fmt: skip
@@ -76,9 +97,11 @@ def test_replay_pads_with_rows_that_touch_no_page(monkeypatch):
                                  torch.arange(4, dtype=torch.int32), lens, [1, 1, 1])  # fmt: skip
         ids, positions = torch.tensor([4, 8, 15]), torch.tensor([n - 1 for n in lens])
         before = stores[0].k_pages.clone()
-        assert graphs.can_run(3, True, tables.shape[1]) and not graphs.can_run(5, True, 8)
-        assert not graphs.can_run(3, False, 8) and not graphs.can_run(3, True, 9)
+        assert graphs.can_run(3, True, tables.shape[1], 14) and not graphs.can_run(5, True, 8, 14)
+        assert not graphs.can_run(3, False, 8, 14) and not graphs.can_run(3, True, 9, 14)
+        assert graphs.can_run(3, True, 8, 32) and not graphs.can_run(3, True, 8, 33)
         replayed = graphs.run(ids, positions, meta).clone()
+        assert replays == [(4, 16)], f"the longest context 14 replays the 16-token bucket, not {replays}"
         written = (stores[0].k_pages != before).flatten(2).any(-1)  # [pages, page_size]
         eager = model.forward(ids, positions, stores, meta)
     assert replayed.shape == eager.shape == (3, 32)
@@ -114,19 +137,22 @@ def test_engine_decode_steps_through_graph_replays_give_the_eager_tokens(monkeyp
     replays = []
 
     class RerunGraph:
-        def __init__(self, n):
-            self.n = n
+        def __init__(self, key):
+            self.key = key
 
         def replay(self):
-            replays.append(self.n)
-            graphs.outputs[self.n].copy_(graphs._forward(self.n))
+            replays.append(self.key)
+            graphs.outputs[self.key].copy_(graphs._forward(*self.key))
 
+    graphs.context_lens = [13, engine.max_model_len]  # the 11-token prompt outgrows the first bucket mid-decode
     with torch.inference_mode():
-        for n in graphs.sizes:
-            graphs.outputs[n] = graphs._forward(n)
-            graphs.graphs[n] = RerunGraph(n)
+        for key in ((n, c) for n in graphs.sizes for c in graphs.context_lens):
+            graphs.outputs[key] = graphs._forward(*key)
+            graphs.graphs[key] = RerunGraph(key)
     runner.graphs = graphs  # the engine thread is idle until the first submit
     got = run_all(engine, requests)
     engine.shutdown()
     assert {r: f.token_ids for r, f in got.items()} == {r: f.token_ids for r, f in expected.items()}
-    assert 4 in replays, f"three decoding rows replay the size-4 graph with a padding row (replays: {replays})"
+    assert {(4, 13), (4, engine.max_model_len)} <= set(replays), (
+        f"three decoding rows replay the size-4 graph with a padding row, in both context buckets (replays: {replays})"
+    )
