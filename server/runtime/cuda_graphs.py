@@ -14,7 +14,7 @@ work, CUDA C for long: TurboKVStore.attend). So each batch size is captured once
 bucket (``context_buckets``) with that bucket as the hint, and a replay takes the smallest bucket
 that holds the batch's longest context. One hint of ``max_model_len`` runs the longest plan at
 every length: turbo3 at batch 1, 2K context, graphs planned for 64K, 23.8 us a layer of attention
-against 11.8 for the Triton decode a 2K plan picks (H200, bench/turbo_b1_sweep.py --plan, 11:40
+against 11.8 for the Triton decode a 2K plan picks (H200, bench/turbo_b1_sweep.py --plan, 11:06
 UTC 2026-11-30). Dense bf16 decode cuts its splits per sequence on the device and showed no gain
 from the buckets (docs/BENCHMARKS.md, 02:55 UTC).
 

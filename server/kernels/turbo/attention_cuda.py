@@ -37,7 +37,7 @@ run time by NVRTC, no headers, PTX for everything beyond plain C):
     (N(0.5, 4) per dim, logits of std ~2) outputs move by up to 2.2e-2 of their scale from the exact-centroid
     oracle (D = 64, turbo4 K, partial8 offset; the fp16 build: ~3e-3), so the GPU tests check this build against
     its own definition. The query's rounding is most of it: a hi + lo / 254 split (two int8 mmas) made it
-    negligible but cost 15 % at b8/64K with the partial8 offset (0.2554 ms against 0.2219; H200 10:55 UTC),
+    negligible but cost 15 % at b8/64K with the partial8 offset (0.2554 ms against 0.2219; H200 10:53 UTC),
     where the build already sits at 128 registers. Values stay fp16 (int8 V would need a per-tile P scale and
     32 int-to-float conversions a step);
   * loads: each warp prefetches its next tile's code words and norms into registers (and the one after's
@@ -78,7 +78,7 @@ LONG_SPLIT_TOKENS = 2048  # one CTA per SM gives splits longer than this: fill t
 MAX_GQA = 8  # the mma's N side holds the query heads of one KV head
 STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (more needs an opt-in the launcher lacks)
 # Scores by int8 mmas (module docstring) unless a call says otherwise: opt-in, TURBOSERVE_TURBO_INT8_KEYS=1. H200
-# (2026-11-30 10:58 UTC, turbo3, 32q/8kv, d128): b8/64K 0.2027 ms (partial8 0.2228) against the fp16 build's
+# (2026-11-30 10:56 UTC, turbo3, 32q/8kv, d128): b8/64K 0.2027 ms (partial8 0.2228) against the fp16 build's
 # 0.2363 (0.2663); b8/16K 0.0686 (0.0751) against 0.0727 (0.0837), one call. Off by default because the rounding
 # shows in the embedded model's perplexity through the decode kernel (every position scored by it, GPU, bf16,
 # 4 x 2048 windows, partial8): turbo3 27.3176 -> 27.3928 (+0.28 %), turbo4 26.2780 -> 26.4114 (+0.51 %), bf16
