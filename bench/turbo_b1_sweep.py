@@ -11,9 +11,9 @@ layer's neighbours in a decode step around the attention: the qkv projection bef
 dependent launch that lets the next kernel start, server/kernels/pdl.py) and the output projection after it
 (gemv.linear on random weights). Printed: microseconds per layer the attention adds to the projections alone
 (median of replays / layers, minus the same graph without attention), for bf16 paged attention (the write is in
-the qkv projection's epilogue in the engine, so none here), the engine's turbo path (Triton store + CUDA C
-decode), and the store's and both decodes' launch settings (``--rules-only``: the engine's path and each decode
-at its split rule). Each decode variant is first checked against the float32 decode-then-attend reference on the
+the qkv projection's epilogue in the engine, so none here), the engine's turbo path with its fused write (the
+Triton decode stores the new token) and with a store launch (TURBOSERVE_FUSED_TURBO_STORE=0), and the store's
+and both decodes' launch settings (``--rules-only``: the engine's paths and each decode at its split rule). Each decode variant is first checked against the float32 decode-then-attend reference on the
 same pages (max error / max |reference|).
 """
 
@@ -88,8 +88,10 @@ class Layers:
         store_turbo_triton(self.ks[i], self.vs[i], self.metas[i].slot_mapping, self.positions, s.k, s.v, s.signs,
                            s.inv_sqrt, s.key_offset, s.offset_turns, launch)
 
-    def engine(self, i: int) -> torch.Tensor:
+    def engine(self, i: int, fuse: bool = True) -> torch.Tensor:
+        """The engine's write + attend; ``fuse`` False: TURBOSERVE_FUSED_TURBO_STORE=0 (a store launch)."""
         meta = self.metas[i]
+        self.store.fuse_store = fuse
         self.store.write(self.ks[i], self.vs[i], meta.slot_mapping, self.positions)
         return self.store.attend(self.qs[i], meta, self.scale)
 
@@ -172,7 +174,10 @@ def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: 
             print(f"  FAILED {name}: {exc!r}", flush=True)
 
     case("bf16 paged attention (engine)", layers.dense)
-    case("turbo engine: TurboKVStore.write + attend (the engine's dispatch)", layers.engine, lambda: layers.engine(0))
+    case("turbo engine: TurboKVStore.write + attend (the engine's dispatch, fused write)", layers.engine,
+         lambda: layers.engine(0))
+    case("turbo engine: TurboKVStore.write + attend (the engine's dispatch, store launch)",
+         lambda i: layers.engine(i, fuse=False), lambda: layers.engine(0, fuse=False))
     case("turbo CUDA C decode alone (rule)", lambda i: layers.cuda(i))
     case("turbo Triton decode alone (rule)", lambda i: layers.triton(i), lambda: layers.triton(0))
     if rules_only:

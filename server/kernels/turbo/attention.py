@@ -30,6 +30,7 @@ correct for any chunk boundary, not fused in the rotated domain (yet).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,8 +44,8 @@ from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+from server.kernels.turbo.quantize import TurboPages, quantize_rows
 from server.kernels.turbo.sincos import sincos
-from server.kernels.turbo.quantize import TurboPages
 
 LOG2E = 1.4426950408889634
 # Tokens per inner step and warps: 64 / 4 measured fastest (with 128 / 8 close), programs per
@@ -265,11 +266,15 @@ def _split_tokens(seq_len, num_splits, BLOCK: tl.constexpr):
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
                    inv_sqrt, qk_scale, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, pairs_ptr, part_acc_ptr,
-                   part_m_ptr, part_l_ptr, num_splits, H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   part_m_ptr, part_l_ptr, num_splits, new_k_ptr, new_k_stride_t, new_k_stride_h, new_v_ptr,
+                   new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, k_mid, k_cent, v_mid, v_cent,
+                   H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                    K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
-                   P: tl.constexpr, PP: tl.constexpr):
+                   P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr):
+    # STORE: the step's new K and V (NewTokens) are quantized here, not by a store launch before; STORE_OFFSET is
+    # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET).
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -286,6 +291,18 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         H: tl.constexpr = GQA_PAD if 2 * GQA > GQA_PAD else (GQA_PAD // 2 if 4 * GQA > GQA_PAD else GQA_PAD // 4)
         real, g = _query_rows(GQA_PAD, H)
         q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+        if STORE:  # the new token, position seq_len - 1, lies in the last split: no other program reads it
+            if split == (seq_len - 1) // chunk:
+                new_row = q_row * H_KV + kv_head  # row of the new k, v: the step's token q_row, this KV head
+                quantize_rows(new_k_ptr, new_k_stride_t, new_k_stride_h, new_slot_ptr, new_pos_ptr, k_codes, k_norms,
+                              k_mid, k_cent, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr,
+                              inv_sqrt, new_row + 1, new_row, 1, H_KV, PAGE_SIZE, 1, D, G, LOG2_G, K_BITS,
+                              STORE_OFFSET, 1, ASM)
+                quantize_rows(new_v_ptr, new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, v_codes, v_norms,
+                              v_mid, v_cent, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr,
+                              inv_sqrt, new_row + 1, new_row, 1, H_KV, PAGE_SIZE, 1, D, G, LOG2_G, V_BITS, "none", 1,
+                              ASM)
+                tl.debug_barrier()  # a CTA barrier orders its threads' global stores before their loads below
         if OFFSET:  # the pages hold k - o(p): scores get <q, o(p) - const> back (key_offset.py)
             x, y, sink_extra = _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, const_ptr, mean_ptr,
                                              sink_ptr, pairs_ptr, qk_scale, GQA, GQA_PAD, H, D, P, PP)
@@ -376,8 +393,44 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr
     tl.store(out_ptr + q_row * out_stride_t + head * out_stride_h + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
+@dataclass(frozen=True)
+class NewTokens:
+    """A decode step's new K and V for the decode kernel to store itself (TurboKVStore's fused write): k, v
+    [S, kv_heads, D] (last dim contiguous), row t the token of the sequence whose query is row t; its slot and
+    position; the key offset its keys lose (the store's, turned or fixed; None: the spec's plain format)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    key_offset: KeyOffset | None
+    key_offset_turns: bool
+
+
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(i) for i in range(len(order)))
+
+
+def _new_token_arguments(new: NewTokens | None, q: torch.Tensor, key_offset: KeyOffset | None, k_pages: TurboPages,
+                         v_pages: TurboPages, f32: torch.Tensor, i32: torch.Tensor) -> tuple:
+    """The decode kernel's arguments from new_k_ptr to v_cent (any float32 / int32 tensor for pointers
+    never read without STORE)."""
+    if new is None:
+        return (f32, 0, 0, f32, 0, 0, i32, i32, f32, f32, f32, f32)
+    if key_offset is not None and new.key_offset is not key_offset:
+        raise ValueError("the decode adds back a key offset the new tokens do not lose: pass the store's offset "
+                         "as both key_offset and new_tokens.key_offset")
+    k, v, num_seqs = new.k, new.v, q.shape[0]
+    want = (num_seqs, k_pages.codes.shape[1], q.shape[2])
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want or t.stride(-1) != 1:
+            raise ValueError(f"new_tokens.{name} must be [{want[0]} sequences, {want[1]} KV heads, {want[2]}] with a "
+                             f"contiguous last dim (one new token per sequence), got {tuple(t.shape)} {t.stride()}")
+    for name, t in (("slot_mapping", new.slot_mapping), ("positions", new.positions)):
+        if tuple(t.shape) != (num_seqs,):
+            raise ValueError(f"new_tokens.{name} must have one entry per sequence ({num_seqs}), got {tuple(t.shape)}")
+    return (k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), new.slot_mapping, new.positions,
+            k_pages.midpoints, k_pages.centroids, v_pages.midpoints, v_pages.centroids)
 
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
@@ -406,12 +459,15 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
                             key_offset: KeyOffset | None = None, num_splits: int | None = None, block_n: int = BLOCK_N,
                             num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
                             num_stages: int | None = NUM_STAGES,
-                            column_order: dict[tuple[int, int], tuple[int, ...]] = COLUMN_ORDER) -> torch.Tensor:
+                            column_order: dict[tuple[int, int], tuple[int, ...]] = COLUMN_ORDER,
+                            new_tokens: NewTokens | None = None) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
     ``key_offset``: the o(p) the K pages lost (key_offset.py; float32 contiguous tensors), added back
-    as <q, o(p)> in the scores; None compiles the plain kernel. ``num_splits`` and the launch
-    settings exist for tests and the benchmark's sweep.
+    as <q, o(p)> in the scores; None compiles the plain kernel. ``new_tokens``: the step's K and V, not yet
+    stored; the program whose split holds position seq_len - 1 quantizes them into their slots (as
+    quantize.store_turbo_triton would) before it reads its pages, which saves the store's launch on a decode
+    step's critical path. ``num_splits`` and the launch settings exist for tests and the benchmark's sweep.
     """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
@@ -431,16 +487,21 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     pairs = 0 if key_offset is None else key_offset.pairs.shape[1]
     padded_pairs = max(8, triton.next_power_of_2(pairs))  # the bias dot's K = 2 PP: at least 16
     shape = dict(H_KV=kv_heads, GQA=gqa, GQA_PAD=gqa_pad, D=head_dim, G=group, LOG2_G=group.bit_length() - 1)
+    new = _new_token_arguments(new_tokens, q, key_offset, k_pages, v_pages, part_m, meta.seq_lens)
+    store_offset = None if new_tokens is None else new_tokens.key_offset
+    offset = key_offset if key_offset is not None else store_offset  # the same one where both are given
     with timed("turbo_decode_attention", q.device):
         _decode_kernel[(num_seqs, kv_heads, num_splits)](
             q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
-            scale * LOG2E, *((part_m,) * 4 + (meta.seq_lens,) if key_offset is None else  # never read without OFFSET
-                             (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq,
-                              key_offset.pairs)),
-            part_acc, part_m, part_l, num_splits, OFFSET=key_offset is not None, P=pairs, PP=padded_pairs,
+            scale * LOG2E, *((part_m,) * 4 if offset is None else  # never read without OFFSET or STORE_OFFSET
+                             (offset.const, offset.mean, offset.sink, offset.inv_freq)),
+            meta.seq_lens if key_offset is None else key_offset.pairs,  # never read without OFFSET
+            part_acc, part_m, part_l, num_splits, *new, OFFSET=key_offset is not None, P=pairs, PP=padded_pairs,
+            STORE=new_tokens is not None, STORE_OFFSET="none" if store_offset is None else
+            ("turned" if new_tokens.key_offset_turns else "fixed"),
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),

@@ -142,11 +142,14 @@ def _offset_values(const_ptr, mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: t
 
 
 @triton.jit
-def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
-                   const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
-                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                   STAGES: tl.constexpr, ASM: tl.constexpr):
+def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
+                  const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
+                  first_tile, tile_step, H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                  D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                  STAGES: tl.constexpr, ASM: tl.constexpr):
+    """Quantize rows (token * H + head) of x into their slots: tiles first_tile, first_tile + tile_step, ...
+    below cdiv(n_rows, ROWS). The store kernel's programs each walk their share of the tiles; the decode kernel
+    (attention.py) quantizes its sequence's new row alone: ROWS = 1, first_tile = that row, n_rows = it + 1."""
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
     G2: tl.constexpr = G // 2
@@ -172,7 +175,7 @@ def _quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norm
     q6 = _half_entry(cent_ptr, HALF, 6, HALF)
     q7 = _half_entry(cent_ptr, HALF, 7, HALF)
     q0, q1, q2, q3, q4, q5, q6, q7 = q0 * q0, q1 * q1, q2 * q2, q3 * q3, q4 * q4, q5 * q5, q6 * q6, q7 * q7
-    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=STAGES):
+    for tile in tl.range(first_tile, tl.cdiv(n_rows, ROWS), tile_step, num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         slot = tl.load(slot_ptr + rows // H, mask=rows < n_rows, other=-1).to(tl.int64)
         valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
@@ -238,13 +241,13 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
     if USE_PDL:  # StoreLaunch.pdl: scheduled while the previous kernel runs; k and v are its output
         gdc_wait()
     if tl.program_id(1) == 0:
-        _quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_const,
-                       k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
-                       K_BITS, K_OFFSET, STAGES, ASM)
+        quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_const,
+                      k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, tl.program_id(0),
+                      tl.num_programs(0), H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET, STAGES, ASM)
     else:
-        _quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_const,
-                       k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
-                       V_BITS, "none", STAGES, ASM)
+        quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_const,
+                      k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, tl.program_id(0),
+                      tl.num_programs(0), H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, "none", STAGES, ASM)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,

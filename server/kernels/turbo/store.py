@@ -10,22 +10,38 @@ plain format). server/runtime/kv_calibration.py measures it per layer at start-u
 anything is written. Attention adds it back only when it varies with p: a constant o shifts every
 score of a query row alike, which softmax ignores (in exact arithmetic; in float32 the two differ
 by rounding, docs/BENCHMARKS.md "Quality" measures how much that moves perplexity).
+
+Fused write (TURBOSERVE_FUSED_TURBO_STORE=1): on the fast path ``write`` only keeps the step's
+K and V pending; a decode step's ``attend`` hands them to the Triton decode, whose program holding the new
+token quantizes it into its slot first (attention.py NewTokens), so a decode step has no store launch on its
+critical path (bf16 KV writes inside the qkv projection, issue 4). Every other reader stores them first:
+``k`` and ``v`` are properties that flush, and every other attention path flushes before it reads.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from server.kernels.backend import use_triton
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
-from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
+from server.kernels.turbo.attention import (
+    NewTokens,
+    attention_over_decoded_pages,
+    decode_attention_triton,
+)
 from server.kernels.turbo.attention_cuda import decode_attention_cuda
 from server.kernels.turbo.codebook import codebook
-from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
+from server.kernels.turbo.format import (
+    RowLayout,
+    bits_per_value,
+    group_size,
+    quantize_reference,
+)
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo
-
 
 # The decode takes the CUDA C kernel for calls with at least this much work ((sequence, KV head) rows times the
 # planned context), the Triton kernel below it: there the CUDA kernel's fixed costs (per CTA the query's rotation
@@ -34,6 +50,7 @@ from server.kernels.turbo.quantize import TurboPages, store_turbo
 # each at its best split count): 4K Triton 13.3 vs CUDA C 19.6, 16K 24.5 vs 27.8, 64K 64.1 vs 53.5 (lines through
 # the last two cross near 27K tokens; 2^18 = 8 rows x 32K).
 CUDA_DECODE_MIN_WORK = 1 << 18
+FUSED_STORE_ENV = "TURBOSERVE_FUSED_TURBO_STORE"  # "1": fused writes; "0" (default until measured): a store launch
 
 
 def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
@@ -52,8 +69,10 @@ class TurboKVStore:
     """Quantized paged K/V; K and V may use different kinds (e.g. turbo4 K with turbo3 V)."""
 
     # server/runtime/cuda_graphs.py: a negative slot stores nothing, a seq_len-0 row attends to
-    # nothing and comes out zero, and split ranges are computed on the device from seq_lens
-    # (the host metadata only fixes the launch shape), so one captured decode serves every length.
+    # nothing and comes out zero (and, fused, stores nothing), and split ranges are computed on the
+    # device from seq_lens (the host metadata only fixes the launch shape), so one captured decode
+    # serves every length. A pending write holds the step's own tensors and is launched (fused or
+    # flushed) in the same step, so a captured graph replays the write before the reads as before.
     cuda_graph_safe = True
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, k_kind: str,
@@ -65,17 +84,59 @@ class TurboKVStore:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.k_kind, self.v_kind = k_kind, v_kind
         self.out_dtype = out_dtype  # what prefill decodes pages to on the fast path
-        self.k = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(k_kind, head_dim), device)
-        self.v = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(v_kind, head_dim), device)
+        self._pending: NewTokens | None = None  # a fast write not stored yet (module docstring, "Fused write")
+        self.fuse_store = os.environ.get(FUSED_STORE_ENV, "0") != "0"
+        self._k = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(k_kind, head_dim), device)
+        self._v = _empty_pages(num_pages, page_size, num_kv_heads, RowLayout(v_kind, head_dim), device)
         group = group_size(head_dim)
         self.signs = (sign_words_tensor(SIGNS1, device), sign_words_tensor(SIGNS2, device))
         self.inv_sqrt = inv_sqrt_group(group)
         self.key_offset: KeyOffset | None = None
         self.offset_turns = False  # whether o(p) varies with p (KeyOffset.turns: then attention adds it back)
 
+    @property
+    def k(self) -> TurboPages:
+        """The K pages with every write stored (a pending one is stored first)."""
+        self._flush()
+        return self._k
+
+    @k.setter
+    def k(self, pages: TurboPages) -> None:
+        self._flush()
+        self._k = pages
+
+    @property
+    def v(self) -> TurboPages:
+        """The V pages with every write stored (a pending one is stored first)."""
+        self._flush()
+        return self._v
+
+    @v.setter
+    def v(self, pages: TurboPages) -> None:
+        self._flush()
+        self._v = pages
+
+    def _flush(self) -> None:
+        """Store the pending write with the store kernel; a no-op without one."""
+        new, self._pending = self._pending, None
+        if new is not None:
+            store_turbo(new.k, new.v, new.slot_mapping, new.positions, self._k, self._v, self.signs, self.inv_sqrt,
+                        new.key_offset, new.key_offset_turns)
+
+    def _fusable(self, q: torch.Tensor, meta: AttentionMetadata) -> NewTokens | None:
+        """The pending write for a decode step's Triton decode to store, if it is this step's: one new token per
+        query row, the slots the metadata names; otherwise it is stored now and None returned."""
+        new, self._pending = self._pending, None
+        if new is not None and new.slot_mapping is meta.slot_mapping and new.k.shape[0] == q.shape[0]:
+            return new
+        self._pending = new
+        self._flush()
+        return None
+
     def set_key_offset(self, offset: KeyOffset) -> None:
         """Quantize k - o(p) from now on. Set it before the first write: pages written earlier hold k
         minus the old offset, and attention adds back only the current one."""
+        self._flush()  # a pending write loses the offset it was written under
         h, d = self.num_kv_heads, self.head_dim
         pairs = offset.pairs
         if pairs.dim() != 2 or pairs.shape[0] != h or pairs.shape[1] > d // 2:
@@ -124,9 +185,15 @@ class TurboKVStore:
         for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
             if t.shape != (k.shape[0],):
                 raise ValueError(f"{name} must have one entry per token ({k.shape[0]}), got {tuple(t.shape)}")
+        self._flush()  # writes land in order
         if use_triton(k):
-            store_turbo(k, v, slot_mapping, positions, self.k, self.v, self.signs, self.inv_sqrt, self.key_offset,
-                        self.offset_turns)
+            if self.fuse_store:
+                if k.stride(-1) != 1 or v.stride(-1) != 1:
+                    k, v = k.contiguous(), v.contiguous()
+                self._pending = NewTokens(k, v, slot_mapping, positions, self.key_offset, self.offset_turns)
+            else:
+                store_turbo(k, v, slot_mapping, positions, self._k, self._v, self.signs, self.inv_sqrt,
+                            self.key_offset, self.offset_turns)
             return
         keep = slot_mapping >= 0  # a negative slot marks a padding token
         slots = slot_mapping[keep].long()
@@ -147,6 +214,8 @@ class TurboKVStore:
                 out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
                 if out is not None:
                     return out
-            return decode_attention_triton(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
+            new_tokens = self._fusable(q, meta)  # self._k / _v below: their pending token is the kernel's to store
+            return decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
+                                           new_tokens=new_tokens)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)
