@@ -11,11 +11,12 @@ anything is written. Attention adds it back only when it varies with p: a consta
 score of a query row alike, which softmax ignores (in exact arithmetic; in float32 the two differ
 by rounding, docs/BENCHMARKS.md "Quality" measures how much that moves perplexity).
 
-Fused write (TURBOSERVE_FUSED_TURBO_STORE=1): on the fast path ``write`` only keeps the step's
-K and V pending; a decode step's ``attend`` hands them to the Triton decode, whose program holding the new
-token quantizes it into its slot first (attention.py NewTokens), so a decode step has no store launch on its
-critical path (bf16 KV writes inside the qkv projection, issue 4). Every other reader stores them first:
-``k`` and ``v`` are properties that flush, and every other attention path flushes before it reads.
+Fused write (TURBOSERVE_FUSED_TURBO_STORE=1; off by default, FUSED_STORE_ENV says why): on the fast path
+``write`` only keeps the step's K and V pending; a decode step's ``attend`` hands them to the Triton decode,
+whose program holding the new token quantizes it into its slot first (attention.py NewTokens), so a decode step
+has no store launch on its critical path (bf16 KV writes inside the qkv projection, issue 4). Every other reader
+stores them first: ``k`` and ``v`` are properties that flush, and every other attention path flushes before it
+reads.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ from server.kernels.turbo.quantize import TurboPages, store_turbo
 # each at its best split count): 4K Triton 13.3 vs CUDA C 19.6, 16K 24.5 vs 27.8, 64K 64.1 vs 53.5 (lines through
 # the last two cross near 27K tokens; 2^18 = 8 rows x 32K).
 CUDA_DECODE_MIN_WORK = 1 << 18
-FUSED_STORE_ENV = "TURBOSERVE_FUSED_TURBO_STORE"  # "1": fused writes; "0" (default until measured): a store launch
+# "1": fused writes (module docstring). Off by default: faster at 16K, slower at 2K. H200, 2026-11-30 11:24 UTC, b1,
+# depth-2048 shape, turbo3 partial key offset: bench/e2e.py 2K 776 tok/s fused vs 807 with the store launch, 16K 656
+# vs 638 (bf16 870 and 653); bench/turbo_b1_sweep.py (us a layer) 2K 15.22 vs 14.04, 16K 24.84 vs 26.80. In the
+# kernel the store costs its program ~3.5 us more than the decode alone at 2K (splits of 2 blocks, nothing to hide
+# it behind), 0.6 us at 16K (4 blocks).
+FUSED_STORE_ENV = "TURBOSERVE_FUSED_TURBO_STORE"
 
 
 def _empty_pages(num_pages: int, page_size: int, kv_heads: int, layout: RowLayout, device) -> TurboPages:
