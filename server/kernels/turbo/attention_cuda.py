@@ -79,10 +79,10 @@ MAX_GQA = 8  # the mma's N side holds the query heads of one KV head
 STATIC_SHARED = 48 * 1024  # static shared memory a CTA may declare (more needs an opt-in the launcher lacks)
 # Scores by int8 mmas (module docstring) unless a call says otherwise: opt-in, TURBOSERVE_TURBO_INT8_KEYS=1. H200
 # (2026-11-30 10:56 UTC, turbo3, 32q/8kv, d128): b8/64K 0.2027 ms (partial8 0.2228) against the fp16 build's
-# 0.2363 (0.2663); b8/16K 0.0686 (0.0751) against 0.0727 (0.0837), one call. Off by default because the rounding
-# shows in the embedded model's perplexity through the decode kernel (every position scored by it, GPU, bf16,
-# 4 x 2048 windows, partial8): turbo3 27.3176 -> 27.3928 (+0.28 %), turbo4 26.2780 -> 26.4114 (+0.51 %), bf16
-# 25.6512 (docs/BENCHMARKS.md, Quality).
+# 0.2363 (0.2663); b8/16K 0.0686 (0.0751) against 0.0727 (0.0837), one call. Off by default: its rounding adds
+# error by construction while the quality targets are unmet. The embedded model's perplexity through the decode
+# kernel moved +0.28 % (turbo3) / +0.51 % (turbo4) with it, within the +0.63 % that switching these calls from
+# CUDA C to the Triton decode moved it (docs/BENCHMARKS.md, Quality).
 INT8_KEYS = os.environ.get("TURBOSERVE_TURBO_INT8_KEYS") == "1"
 
 _SOURCE = r"""
