@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paged_batch import PagedBatch, assert_matches_reference, greedy
-from server.runtime.models.loader import load_model
 from tiny_checkpoints import PROMPTS, make_checkpoint
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+from server.runtime.models.loader import load_model
+
+pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 

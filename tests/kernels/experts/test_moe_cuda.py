@@ -51,7 +51,7 @@ def test_shapes_the_cuda_body_cannot_take_are_refused():
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA C body needs an NVIDIA GPU (NVRTC compiles it there)")
+gpu = pytest.mark.gpu  # the CUDA C body needs an NVIDIA GPU (NVRTC compiles it there): tests/conftest.py skips it elsewhere
 
 
 def _kernel_or_skip(a, w, dual):

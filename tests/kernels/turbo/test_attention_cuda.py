@@ -32,8 +32,7 @@ from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, quantize_reference, unpack_indices
 from server.kernels.turbo.store import TurboKVStore
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="the CUDA C decode kernel needs an NVIDIA GPU (NVRTC compiles it there)")
+needs_gpu = pytest.mark.gpu  # NVRTC compiles the kernel on an NVIDIA GPU: tests/conftest.py skips it elsewhere
 
 GPU = torch.device("cuda")
 MIXED_LENGTHS = [1, 2, 15, 16, 17, 1000]  # page 16: page_size - 1, page_size, page_size + 1; 1000: many tiles

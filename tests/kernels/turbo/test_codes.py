@@ -75,7 +75,6 @@ def test_centroid_polynomial_in_float32_is_within_2e_6_for_every_index(bits, gro
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_ptx_lookup_gives_the_rounded_centroid_of_every_value_at_every_position(bits, head_dim):

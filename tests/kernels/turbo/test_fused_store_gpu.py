@@ -15,7 +15,7 @@ from bench.kernels_turbo import engine_key_offset
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.turbo.store import CUDA_DECODE_MIN_WORK, TurboKVStore
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused write's GPU checks need a GPU")
+pytestmark = pytest.mark.gpu
 
 PAGE, KV_HEADS, Q_HEADS, HEAD_DIM = 16, 8, 16, 128
 

@@ -194,7 +194,7 @@ def _cuda_case(head_dim, k_kind, v_kind, offset_kind, dtype, tokens, heads, gen)
     return worst
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA C store kernel needs an NVIDIA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,k_kind,v_kind,offset_kind,dtype", [
     (128, "turbo3", "turbo3", "partial", torch.bfloat16), (128, "turbo3", "turbo3", "partial16", torch.bfloat16),
     (128, "turbo4", "turbo2", "fixed", torch.float16), (128, "turbo2", "turbo4", "none", torch.bfloat16),
@@ -213,7 +213,7 @@ def test_the_cuda_store_matches_the_reference_quantizer(head_dim, k_kind, v_kind
     assert mismatch < 1e-3 and norm_err < 1e-3 and not stray, (mismatch, norm_err, stray)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA C store kernel needs an NVIDIA GPU")
+@pytest.mark.gpu
 def test_the_cuda_store_leaves_more_turned_pairs_than_it_takes_to_triton():
     from server.kernels.turbo.key_offset import KeyOffset
     from server.kernels.turbo.store_cuda import MAX_PAIRS, supports
