@@ -247,31 +247,27 @@ struct Step {
   u32 kn[2], vn[2];
 };
 
+/* The index words of one row from 8-value chunk cb on: LO words of the stored indices (turbo3: of its low plane)
+   and, for turbo3, the high plane's word after them (format.py) */
+template <int BITS, int LO> __device__ __forceinline__ void load_row(const u32* row, int cb, u32* w) {
+  load_words<LO>(row + (BITS == 4 ? cb : cb / 2), w);
+  if (BITS == 3) w[LO] = ldg(row + D / 16 + cb / 4);
+}
+
 __device__ __forceinline__ void load_step(Step& st, const unsigned char* const (&kp)[2],
                                           const unsigned char* const (&vp)[4], const u16* const (&knp)[2],
                                           const u16* const (&vnp)[2], int g, int t) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const u32* row = (const u32*)kp[i];
 #pragma unroll
-    for (int gi = 0; gi < NG; ++gi) {
-      const int cb = gi * (G / 8) + t * KCH;
-      load_words<KLO>(row + (KB == 4 ? cb : cb / 2), st.k[i][gi]);
-      if (KB == 3) st.k[i][gi][KLO] = ldg(row + D / 16 + cb / 4);
-    }
+    for (int gi = 0; gi < NG; ++gi) load_row<KB, KLO>((const u32*)kp[i], gi * (G / 8) + t * KCH, st.k[i][gi]);
     if (NG == 1) { st.kn[i] = ldg_u16(knp[i]); st.vn[i] = ldg_u16(vnp[i]); }
     else { st.kn[i] = ldg((const u32*)knp[i]); st.vn[i] = ldg((const u32*)vnp[i]); }
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32* row = (const u32*)vp[i];
+  for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int gi = 0; gi < NG; ++gi) {
-      const int cb = gi * (G / 8) + g * VCH;
-      load_words<VLO>(row + (VB == 4 ? cb : cb / 2), st.v[i][gi]);
-      if (VB == 3) st.v[i][gi][VLO] = ldg(row + D / 16 + cb / 4);
-    }
-  }
+    for (int gi = 0; gi < NG; ++gi) load_row<VB, VLO>((const u32*)vp[i], gi * (G / 8) + g * VCH, st.v[i][gi]);
 }
 
 /* cos, sin of a float32 angle: Cody-Waite reduction to [-pi, pi] then MUFU (sincos.py's numbers) */
