@@ -38,6 +38,7 @@ from server.kernels.turbo import attention_cuda  # noqa: E402
 from server.kernels.turbo.attention import (  # noqa: E402
     attention_over_decoded_pages,
     decode_attention_triton,
+    whole_block_splits,
 )
 from server.kernels.turbo.quantize import StoreLaunch, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
@@ -142,13 +143,6 @@ def graph_us(layers: Layers, n: int, attention) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in times) * 1e3
 
 
-def _splits_after_rounding(tokens: int, tile: int, splits: int) -> int:
-    """The split count both decode launchers end with when asked for ``splits``: whole tiles per split."""
-    tiles = -(-tokens // tile)
-    chunk = -(-tiles // min(splits, tiles)) * tile
-    return -(-tokens // chunk)
-
-
 def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: bool, rules_only: bool,
                   plan: int) -> None:
     layers = Layers(n, ctx, batch, dev, plan)
@@ -189,7 +183,7 @@ def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: 
     seen = set()
     for warps in (8, 4):
         for splits in CUDA_SPLITS:
-            eff = _splits_after_rounding(plan, 16 * warps, splits)
+            eff = whole_block_splits(plan, 16 * warps, splits)
             if (warps, eff) in seen:
                 continue
             seen.add((warps, eff))
@@ -198,7 +192,7 @@ def sweep_context(ctx: int, n: int, batch: int, dev: torch.device, store_sweep: 
                  lambda w=warps, s=eff: layers.cuda(0, warps=w, num_splits=s))
     seen = set()
     for splits in TRITON_SPLITS:
-        eff = _splits_after_rounding(plan, 64, splits)
+        eff = whole_block_splits(plan, 64, splits)
         if eff in seen:
             continue
         seen.add(eff)

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -123,8 +122,7 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     """The merge launch alone, on partial results of the real decode's shape."""
     q = qs[0]
     num_seqs, q_heads = q.shape[0], q.shape[1]
-    blocks = triton.cdiv(metas[0].max_seq_len, attention.BLOCK_N)
-    splits = triton.cdiv(blocks, triton.cdiv(blocks, splits))  # as decode_attention_triton trims them
+    splits = attention.whole_block_splits(metas[0].max_seq_len, attention.BLOCK_N, splits)
     part_acc = torch.randn(num_seqs * q_heads * splits, HEAD_DIM, device=device)
     part_m = torch.randn(num_seqs * q_heads * splits, device=device)
     part_l = torch.rand_like(part_m) + 1

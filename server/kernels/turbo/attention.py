@@ -433,6 +433,13 @@ def _new_token_arguments(new: NewTokens | None, q: torch.Tensor, key_offset: Key
             k_pages.midpoints, k_pages.centroids, v_pages.midpoints, v_pages.centroids)
 
 
+def whole_block_splits(tokens: int, block: int, splits: int) -> int:
+    """The split count a decode launch planned for ``tokens`` ends with when asked for ``splits``: splits of whole
+    ``block``s (what the kernels' split lengths come to at that length), none of them left empty."""
+    blocks = max(1, triton.cdiv(tokens, block))
+    return max(1, triton.cdiv(blocks, triton.cdiv(blocks, splits)))
+
+
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Split long contexts into at most PROGRAMS_PER_SM programs per SM (flash-decoding), but not into
     splits shorter than MIN_SPLIT_TOKENS unless they all fit one wave (RESIDENT_PROGRAMS per SM), and never
@@ -450,8 +457,7 @@ def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.
     sms = multiprocessors(device)
     wanted = PROGRAMS_PER_SM * sms // rows
     long_enough = max(RESIDENT_PROGRAMS * sms // rows, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
-    splits = max(1, min(triton.cdiv(blocks, MIN_SPLIT_BLOCKS), wanted, long_enough))
-    return triton.cdiv(blocks, triton.cdiv(blocks, splits))
+    return whole_block_splits(max_seq_len, block_n, min(triton.cdiv(blocks, MIN_SPLIT_BLOCKS), wanted, long_enough))
 
 
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
@@ -478,8 +484,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         return out
     if num_splits is None:
         num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, block_n)
-    blocks = max(1, triton.cdiv(meta.max_seq_len, block_n))  # _split_tokens at the longest context
-    num_splits = max(1, triton.cdiv(blocks, triton.cdiv(blocks, num_splits)))
+    num_splits = whole_block_splits(meta.max_seq_len, block_n, num_splits)
     part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)

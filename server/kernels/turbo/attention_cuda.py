@@ -894,8 +894,7 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
         return out
     if num_splits is None:
         num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, warps)
-    rounds = max(1, -(-meta.max_seq_len // (TILE * warps)))  # the kernel's split_tokens at the longest context
-    num_splits = max(1, -(-rounds // -(-rounds // num_splits)))
+    num_splits = attention.whole_block_splits(meta.max_seq_len, TILE * warps, num_splits)
     part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
