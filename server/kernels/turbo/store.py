@@ -106,21 +106,11 @@ class TurboKVStore:
         self._flush()
         return self._k
 
-    @k.setter
-    def k(self, pages: TurboPages) -> None:
-        self._flush()
-        self._k = pages
-
     @property
     def v(self) -> TurboPages:
         """The V pages with every write stored (a pending one is stored first)."""
         self._flush()
         return self._v
-
-    @v.setter
-    def v(self, pages: TurboPages) -> None:
-        self._flush()
-        self._v = pages
 
     def _flush(self) -> None:
         """Store the pending write with the store kernel; a no-op without one."""
