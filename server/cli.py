@@ -107,6 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_argument(parser, "--kv-key-turned-pairs", type=int, default=None,
                  help="with --kv-key-offset partial: RoPE pairs per KV head that turn, 1 .. head_dim / 2 "
                       "(default 8, or all of a smaller head's)")
+    add_argument(parser, "--no-kv-balance", dest="kv_balance", action="store_false",
+                 help="do not fold turbo K / V channel scales into the attention weights (they cut turbo's "
+                      "quality loss at no cost per token; server/runtime/kv_balance.py)")
     add_argument(parser, "--kv-cache-memory", type=parse_size, default=None,
                  help="bytes for the KV page pool, e.g. 2GiB or 512MiB (default: a share of free memory)")
     add_argument(parser, "--page-size", type=int, default=16, help="tokens per KV page")
@@ -128,7 +131,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
         kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_memory=args.kv_cache_memory, kv_key_offset=args.kv_key_offset,
-        kv_key_turned_pairs=args.kv_key_turned_pairs,
+        kv_key_turned_pairs=args.kv_key_turned_pairs, kv_balance=args.kv_balance,
         page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue, seed=args.seed,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,

@@ -27,6 +27,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the page pool; None: a fraction of free memory
     kv_key_offset: str = DEFAULT_KV_KEY_OFFSET  # one of KV_KEY_OFFSETS
     kv_key_turned_pairs: int | None = None  # partial: pairs per KV head that turn (None: DEFAULT_KV_KEY_TURNED_PAIRS)
+    kv_balance: bool = True  # fold turbo K / V channel scales into the attention weights (runtime/kv_balance.py)
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64  # sequences running at once

@@ -42,6 +42,10 @@ def test_serve_flags_default_from_the_environment_and_the_command_line_wins(monk
     partial = cli.engine_config_from_args(cli.build_parser().parse_args(
         ["serve", "--kv-key-offset", "partial", "--kv-key-turned-pairs", "16"]))
     assert partial.kv_key_offset == "partial" and partial.kv_key_turned_pairs == 16
+    assert config.kv_balance is True, "turbo KV channel balance on by default"
+    assert cli.engine_config_from_args(cli.build_parser().parse_args(["serve", "--no-kv-balance"])).kv_balance is False
+    monkeypatch.setenv("TURBOSERVE_NO_KV_BALANCE", "1")
+    assert cli.engine_config_from_args(cli.build_parser().parse_args(["serve"])).kv_balance is False
 
 
 def test_an_unknown_key_offset_is_refused_with_the_choices(capsys):

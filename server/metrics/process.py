@@ -45,14 +45,15 @@ class ProcessMetrics:
         cuda_graphs_captured.labels(model_name).set(0)
 
     def on_start(self, *, device: str, kv_cache_dtype_k: str, kv_cache_dtype_v: str, kv_key_offset: str,
-                 kv_key_turned_pairs: int, weight_formats: str, kernels: str) -> None:  # fmt: skip
+                 kv_key_turned_pairs: int, kv_balance: str, weight_formats: str, kernels: str) -> None:  # fmt: skip
         """Once the engine is built. kv_key_offset: what turbo K pages subtract (partial, fixed, turned; none
-        for a dense K cache) and kv_key_turned_pairs how many RoPE pairs of it turn per KV head; weight_formats
+        for a dense K cache) and kv_key_turned_pairs how many RoPE pairs of it turn per KV head; kv_balance:
+        whether a turbo K / V channel balance is folded into the attention weights (on, off); weight_formats
         e.g. "Q4_1,Q8_0,F32"; kernels as backend.describe says."""
         build.labels(self.model_name).info({
             "version": package_version(), "device": device, "kv_cache_dtype_k": kv_cache_dtype_k,
             "kv_cache_dtype_v": kv_cache_dtype_v, "kv_key_offset": kv_key_offset,
-            "kv_key_turned_pairs": str(kv_key_turned_pairs), "weight_formats": weight_formats, "kernels": kernels,
+            "kv_key_turned_pairs": str(kv_key_turned_pairs), "kv_balance": kv_balance, "weight_formats": weight_formats, "kernels": kernels,
         })  # fmt: skip
 
     def watch_engine(self, is_alive: Callable[[], bool]) -> None:

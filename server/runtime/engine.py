@@ -25,7 +25,7 @@ from server.runtime.detokenizer import IncrementalDetokenizer
 from server.runtime.kv_cache import (
     TURBO_KV_KINDS, KVCache, KVLayout, bits_per_value, bytes_per_token, default_budget_bytes, resolve_kv_kinds,
 )  # fmt: skip
-from server.runtime.kv_calibration import calibrate_key_offsets, turned_pairs
+from server.runtime.kv_calibration import balance_label, calibrate_turbo_kv, turned_pairs
 from server.runtime.model_runner import ChunkResult, LaunchedStep, ModelRunner
 from server.runtime.scheduler import ScheduledChunk, Scheduler
 from server.runtime.sequence import SamplingParams, Sequence, TokenLogprob
@@ -113,10 +113,12 @@ class Engine:
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else default_budget_bytes(self.device)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
-        if k_kind in TURBO_KV_KINDS and config.kv_key_offset != "none":  # keys lose their shared direction first
-            calibrate_key_offsets(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
-                                  self.device, dtype, self.max_model_len, key_pairs)
-        elif k_kind not in TURBO_KV_KINDS and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
+        turbo = k_kind in TURBO_KV_KINDS  # a turbo V needs a turbo K (kv_cache.py)
+        offset = turbo and config.kv_key_offset != "none"  # keys lose their shared direction first
+        calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
+                           self.device, dtype, self.max_model_len, key_pairs if offset else None,
+                           config.kv_balance and turbo)
+        if k_kind not in TURBO_KV_KINDS and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)
         self.scheduler = Scheduler(config, self.kv_cache)
@@ -158,7 +160,7 @@ class Engine:
         self.metrics.process.on_start(
             device=str(self.device), kv_cache_dtype_k=kv.k_kind, kv_cache_dtype_v=kv.v_kind,
             kv_key_offset=self.config.kv_key_offset if turbo_k else "none",
-            kv_key_turned_pairs=key_pairs if turbo_k else 0,
+            kv_key_turned_pairs=key_pairs if turbo_k else 0, kv_balance=balance_label(self.model),
             weight_formats=",".join(sorted(in_memory | in_file)), kernels=backend.describe(self.device),
         )  # fmt: skip
         self.metrics.process.watch_engine(self.is_alive)

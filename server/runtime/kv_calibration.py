@@ -1,4 +1,5 @@
-"""Key offsets for turbo K caches (server/kernels/turbo/key_offset.py), measured once at start-up.
+"""Key offsets for turbo K caches (server/kernels/turbo/key_offset.py) and the K / V channel balance
+(server/runtime/kv_balance.py), measured once at start-up from one prefill over a built-in text.
 
 A turbo K store quantizes k - o(p), o(p) = const + RoPE(p) mean (p >= 1), o(0) = sink. Every kind comes
 from one forward pass over CALIBRATION_TEXT with a dense cache in the model's own dtype, leaving out the
@@ -29,7 +30,8 @@ import torch
 
 from server.config import DEFAULT_KV_KEY_TURNED_PAIRS
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
-from server.kernels.turbo.key_offset import KeyOffset, pair_mask, rope_turn
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask, rope_turn
+from server.runtime.kv_balance import key_scales, value_scales
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +62,19 @@ CALIBRATION_PAGE_SIZE = 16
 SKIPPED_TOKENS = 1  # the attention sink
 
 
-class _KeyRecorder:
-    """A dense store that keeps the last keys it was given (one layer)."""
+class _Recorder:
+    """A dense store that keeps the last queries, keys and values it was given (one layer), in float32."""
 
     def __init__(self, store: DenseKVStore):
-        self.store, self.page_size, self.keys = store, store.page_size, None
+        self.store, self.page_size = store, store.page_size
+        self.queries = self.keys = self.values = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
-        self.keys = k.float()
+        self.keys, self.values = k.float(), v.float()
         self.store.write(k, v, slot_mapping, positions)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.queries = q.float()
         return self.store.attend(q, meta, scale)
 
 
@@ -123,17 +127,14 @@ def partial_offset(written: torch.Tensor, turned_back: torch.Tensor, sink: torch
 
 
 @torch.inference_mode()
-def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
-                device: torch.device, dtype: torch.dtype, turned_pairs: int,
-                context: int | None = None) -> list[KeyOffset]:
-    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset that turns ``turned_pairs``
-    rotate-half pairs per KV head (0: fixed, head_dim / 2: all), from all tokens but the first; the pairs
-    chosen for ``context`` positions (turned_pair_gains)."""
+def record_attention(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
+                     device: torch.device, dtype: torch.dtype) -> list[_Recorder]:
+    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the queries, keys and values it attended with."""
     n = len(token_ids)
     if n <= SKIPPED_TOKENS:
-        raise ValueError(f"key calibration needs more than {SKIPPED_TOKENS} tokens, got {n}")
+        raise ValueError(f"KV calibration needs more than {SKIPPED_TOKENS} tokens, got {n}")
     pages = -(-n // CALIBRATION_PAGE_SIZE)
-    recorders = [_KeyRecorder(DenseKVStore(pages, CALIBRATION_PAGE_SIZE, num_kv_heads, head_dim, dtype, device))
+    recorders = [_Recorder(DenseKVStore(pages, CALIBRATION_PAGE_SIZE, num_kv_heads, head_dim, dtype, device))
                  for _ in range(num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, device=device),
@@ -142,22 +143,82 @@ def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int,
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
         seq_lens_cpu=[n], query_lens_cpu=[n],
     )  # fmt: skip
-    positions = torch.arange(n, device=device)
-    model.forward(torch.tensor(token_ids, device=device), positions, recorders, meta)
+    model.forward(torch.tensor(token_ids, device=device), torch.arange(n, device=device), recorders, meta)
+    return recorders
+
+
+def offsets_of_keys(keys: torch.Tensor, inv_freq: torch.Tensor, turned_pairs: int,
+                    context: int | None = None) -> KeyOffset:
+    """One layer's key offset from the keys [n, kv_heads, D] written at positions 0..n-1 (kinds: key_offsets)."""
+    back = -torch.arange(SKIPPED_TOKENS, keys.shape[0], device=keys.device)
+    rest = keys[SKIPPED_TOKENS:]
+    return partial_offset(rest.mean(0), rope_turn(rest, back, inv_freq).mean(0), keys[0].clone(), inv_freq,
+                          turned_pairs, keys.shape[0] - SKIPPED_TOKENS, context)
+
+
+def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int, head_dim: int,
+                device: torch.device, dtype: torch.dtype, turned_pairs: int,
+                context: int | None = None) -> list[KeyOffset]:
+    """One prefill of ``token_ids`` at positions 0..n-1 -> per layer the key offset that turns ``turned_pairs``
+    rotate-half pairs per KV head (0: fixed, head_dim / 2: all), from all tokens but the first; the pairs
+    chosen for ``context`` positions (turned_pair_gains)."""
+    recorders = record_attention(model, token_ids, num_layers, num_kv_heads, head_dim, device, dtype)
     inv_freq = model.rope_inv_freq().to(device, torch.float32)
-    back = -positions[SKIPPED_TOKENS:]
-    return [partial_offset(r.keys[SKIPPED_TOKENS:].mean(0), rope_turn(r.keys[SKIPPED_TOKENS:], back, inv_freq).mean(0),
-                           r.keys[0].clone(), inv_freq, turned_pairs, n - SKIPPED_TOKENS, context) for r in recorders]
+    return [offsets_of_keys(r.keys, inv_freq, turned_pairs, context) for r in recorders]
 
 
-def calibrate_key_offsets(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int,
-                          device: torch.device, dtype: torch.dtype, max_tokens: int, turned_pairs: int) -> None:
-    """Measure the key offsets on CALIBRATION_TEXT (at most ``max_tokens`` of it, the engine's max_model_len) and
-    give each turbo store its layer's (TurboKVStore.set_key_offset); a partial offset turns the pairs that gain
-    most over ``max_tokens`` positions. Call before anything is written or captured."""
+def _balance(attention, recorded: _Recorder, offset: KeyOffset | None) -> torch.Tensor:
+    """Fold one layer's K and V channel scales (runtime/kv_balance.py), measured on what the unbalanced layer
+    ``recorded``, into its weights; returns the K scales."""
+    rest = slice(SKIPPED_TOKENS, None)  # the sink is unlike the other tokens, as for the offsets
+    k = recorded.keys
+    residual = k if offset is None else k - key_offset_at(offset, torch.arange(k.shape[0], device=k.device))
+    q = recorded.queries.unflatten(1, (k.shape[1], -1))  # [n, kv_heads, group, D]
+    key_scale = key_scales(q[rest].pow(2).mean((0, 2)), residual[rest].pow(2).mean(0), attention.key_scale_per_head)
+    value_scale = value_scales(attention.value_output_energy(), recorded.values[rest].pow(2).mean(0))
+    attention.set_kv_balance(key_scale, value_scale)
+    return key_scale
+
+
+def balance_label(model) -> str:
+    """"on" if the model has a K / V channel balance folded in, else "off"."""
+    attentions = model.attentions()[:1] if hasattr(model, "attentions") else []
+    return "on" if any(a.key_scale is not None for a in attentions) else "off"
+
+
+def calibrate_turbo_kv(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int, device: torch.device,
+                       dtype: torch.dtype, max_tokens: int, turned_pairs: int | None, balance: bool) -> None:
+    """Measure on CALIBRATION_TEXT (at most ``max_tokens`` of it, the engine's max_model_len), before anything is
+    written or captured: if ``balance``, fold the K / V channel balance into the model (kv_balance.py; a model without
+    ``attentions()`` is left as it is) and give each turbo K store its layer's key offset
+    (TurboKVStore.set_key_offset; ``turned_pairs`` None for none), a partial one turning the pairs that gain
+    most over ``max_tokens`` positions. Both come from the model as loaded: a balance folded by an earlier
+    engine over the same model is taken out first (also for a dense cache, which then runs no prefill)."""
+    attentions = model.attentions() if hasattr(model, "attentions") else []
+    for attention in attentions:
+        attention.set_kv_balance(None, None)
+    if not balance:
+        attentions = []
+        if turned_pairs is None:
+            return  # a dense cache, or a turbo one with neither
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
-    offsets = key_offsets(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype, turned_pairs,
-                          context=max_tokens)
+    recorders = record_attention(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
+    inv_freq = model.rope_inv_freq().to(device, torch.float32)
+    keys = [r.keys for r in recorders]
+    offsets = None
+    if turned_pairs is not None:
+        offsets = [offsets_of_keys(k, inv_freq, turned_pairs, max_tokens) for k in keys]
+    for layer, attention in enumerate(attentions):
+        offset = None if offsets is None else offsets[layer]
+        keys[layer] = keys[layer] * _balance(attention, recorders[layer], offset)  # what the balanced layer writes
+    if attentions:
+        scales = torch.stack([s for a in attentions for s in (a.key_scale, a.value_scale)])
+        log.info("turbo KV channel balance folded into the attention weights: K and V scales %.3g .. %.3g",
+                 scales.min(), scales.max())
+    if turned_pairs is None:
+        return
+    if attentions:  # the offsets of the keys the balanced model writes
+        offsets = [offsets_of_keys(k, inv_freq, turned_pairs, max_tokens) for k in keys]
     for store, offset in zip(stores, offsets):
         store.set_key_offset(offset)
     norms = torch.stack([(o.const + o.mean).norm(dim=-1) for o in offsets])  # [layers, kv_heads]

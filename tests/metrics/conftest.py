@@ -37,7 +37,7 @@ def full_exposition() -> str:
     m.kv.on_pool(num_pages=4, page_size=16, bytes_per_token=64, k_dtype="bf16", v_dtype="bf16", k_bits=16,
                  v_bits=16, bf16_bytes_per_token=64)  # fmt: skip
     m.process.on_start(device="cpu", kv_cache_dtype_k="bf16", kv_cache_dtype_v="bf16", kv_key_offset="none",
-                       kv_key_turned_pairs=0, weight_formats="float32", kernels="reference")  # fmt: skip
+                       kv_key_turned_pairs=0, kv_balance="off", weight_formats="float32", kernels="reference")  # fmt: skip
     m.process.watch_engine(lambda: True)
     timing.set_sample_rate(1.0)
     with timing.timed("fixture_kernel", "cpu"):

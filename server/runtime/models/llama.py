@@ -81,6 +81,11 @@ class DenseMLP(nn.Module):
             return linear(act, self.down_proj.weight)
 
 
+def _scale_(weight: torch.Tensor, factor: torch.Tensor) -> None:
+    """weight *= factor (broadcast), computed in float32 and rounded once to the weight's dtype."""
+    weight.copy_(weight.float() * factor)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -92,6 +97,60 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
+        self.key_scale: torch.Tensor | None = None  # the K / V channel balance folded in (set_kv_balance)
+        self.value_scale: torch.Tensor | None = None
+
+    @property
+    def key_scale_per_head(self) -> bool:
+        """Whether K can be balanced per KV head: a q/k norm's weight is shared by all heads."""
+        return self.q_norm is None
+
+    def value_output_energy(self) -> torch.Tensor:
+        """float32 [kv_heads, D]: per V channel, the squared norm of the o_proj columns that read it."""
+        group = self.num_heads // self.num_kv_heads
+        energy = self.o_proj.weight.detach().float().pow(2).sum(0).view(self.num_kv_heads, group, self.head_dim)
+        return energy.sum(1) * self._folded(self.value_scale).pow(2)  # as if unbalanced
+
+    @torch.no_grad()
+    def set_kv_balance(self, key_scale: torch.Tensor | None, value_scale: torch.Tensor | None) -> None:
+        """Fold K channel scales s and V channel scales t ([kv_heads, D] each, None for ones; runtime/kv_balance.py)
+        into the weights in place of the ones folded before: k -> s k, q -> q / s, v -> t v, o_proj's input
+        columns / t. Scores and outputs are unchanged; the KV cache sees s k and t v. K scales must be equal on
+        each rotate-half pair (RoPE turns the two together), and on all heads without key_scale_per_head."""
+        if key_scale is None and value_scale is None and self.key_scale is None and self.value_scale is None:
+            return  # nothing folded, nothing to take out
+        h, d, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        new_k, new_v = self._folded(key_scale), self._folded(value_scale)
+        for name, s in (("key", new_k), ("value", new_v)):
+            if s.shape != (h, d) or not torch.isfinite(s).all() or not (s > 0).all():
+                raise ValueError(f"{name} scales must be positive and finite, shape [{h}, {d}], got {list(s.shape)}")
+        if not torch.equal(new_k[:, : d // 2], new_k[:, d // 2 :]):
+            raise ValueError("key scales must be equal on the two channels of each rotate-half pair")
+        if not self.key_scale_per_head and not torch.equal(new_k, new_k[:1].expand_as(new_k)):
+            raise ValueError("this model's q/k norm is shared by all heads: key scales must be too")
+        k = (new_k / self._folded(self.key_scale)).flatten()  # what to fold on top of the current balance
+        v = (new_v / self._folded(self.value_scale)).flatten()
+        q = k.view(h, 1, d).expand(h, group, d).flatten()
+        q_size, kv_size = self.num_heads * d, h * d
+        if self.q_norm is not None:  # the norm comes after the projection: scale its weight instead
+            _scale_(self.q_norm.weight, 1 / q[:d])
+            _scale_(self.k_norm.weight, k[:d])
+            rows = torch.cat([torch.ones(q_size + kv_size, device=v.device), v])
+        else:
+            rows = torch.cat([1 / q, k, v])
+        _scale_(self.qkv_proj.weight, rows[:, None])
+        if self.qkv_proj.bias is not None:
+            _scale_(self.qkv_proj.bias, rows)
+        _scale_(self.o_proj.weight, 1 / v.view(h, 1, d).expand(h, group, d).flatten()[None, :])
+        self.key_scale = None if key_scale is None else new_k
+        self.value_scale = None if value_scale is None else new_v
+
+    def _folded(self, scale: torch.Tensor | None) -> torch.Tensor:
+        """``scale`` as float32 on the weights' device, ones for None."""
+        device = self.o_proj.weight.device
+        if scale is None:
+            return torch.ones(self.num_kv_heads, self.head_dim, device=device)
+        return scale.to(device=device, dtype=torch.float32)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv: KVLayerStore, meta: AttentionMetadata
@@ -179,6 +238,10 @@ class CausalLM(nn.Module):
         for layer, store in zip(self.layers, kv):
             x, residual = layer(x, residual, positions, store, meta)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def attentions(self) -> list[Attention]:
+        """Each layer's attention, in order (their K / V channel balance: runtime/kv_balance.py)."""
+        return [layer.self_attn for layer in self.layers]
 
     def rope_inv_freq(self) -> torch.Tensor:
         """RoPE's frequencies [head_dim / 2] (one rotary embedding serves every layer)."""

@@ -7,12 +7,35 @@ import torch
 
 from server.config import EngineConfig
 from server.runtime.engine import Engine
+from server.runtime.kv_calibration import balance_label
 from server.runtime.models.loader import load_model
 from server.runtime.sequence import SamplingParams
 
 # Not "... of France?": the float32 model's first answer token there is a near tie ("The" 15.2 %, "L" 14.0 %),
 # so any KV error, even an improvement, may flip it; here the greedy answer has clear margins.
 QUESTION = "What is the capital of Japan?"
+# Plain prose written for this test (not the calibration text): ~370 tokens to score.
+PROSE = (
+    'The old railway line that once connected the mountain villages to the coast was closed in the winter of 1962, '
+    'when the last steam engine made its final journey through the tunnels. For years the tracks lay rusting under '
+    'the snow, and the small stations slowly fell apart. Then a group of volunteers decided to turn the route into '
+    'a path for walkers and cyclists. They cleared the fallen trees, rebuilt three wooden bridges and painted the '
+    'signs by hand.\n\n'
+    'Today the path is one of the most popular routes in the region. On a clear morning you can see the lake from '
+    'the highest point, and in the afternoon the light turns the rocks a deep orange colour. Families stop for '
+    'lunch at the former station of Santa Maria, where a café now serves soup, bread and cheese made by the farmers'
+    ' in the valley. The owner keeps a collection of photographs from the time when the trains still ran: workers '
+    'posing beside the locomotive, children waving from the platform, and a wedding party that travelled to the '
+    'church by special carriage.\n\n'
+    'Engineers who study the line today are surprised by how well it was built. The gradient never rises above '
+    'three percent, the curves were measured with simple instruments, and the stone walls still hold back the '
+    'hillside after more than a century. "They had no computers and very little money," one of them said, "but they'
+    ' understood the mountain better than we do." Some of the original plans survive in the archive of the '
+    'provincial library, drawn in ink on thick paper and signed by an engineer whose name nobody remembers.\n\n'
+    'The volunteers are now raising money to restore the last tunnel, which has been closed since a small landslide'
+    ' in 2009. They hope to open it next summer, so that walkers can follow the entire route from the mountains to '
+    'the sea in two or three days.'
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +75,36 @@ def test_turbo3_answers_coherently_and_counts_its_real_bytes(loaded):
 def test_mixed_turbo4_keys_turbo3_values(loaded):
     text, _, _ = greedy(loaded, "auto", 16, kv_cache_dtype_k="turbo4", kv_cache_dtype_v="turbo3")
     assert "Tokyo" in text, text
+
+
+def prose_nlls(loaded, kv_cache_dtype: str, **overrides) -> tuple[torch.Tensor, str]:
+    """Negative log-likelihood of each PROSE token after the first, and the engine's balance label."""
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20, max_model_len=1024,
+                          max_num_batched_tokens=512, **overrides)
+    engine = Engine(config, loaded=loaded)
+    engine.start()
+    try:
+        out = engine.generate(engine.tokenizer.encode(PROSE), SamplingParams(max_tokens=1, prompt_logprobs=True,
+                                                                                ignore_eos=True))
+        assert out.error is None, out.error
+        return -torch.tensor(out.prompt_logprobs[1:]), balance_label(loaded.model)
+    finally:
+        engine.shutdown()
+
+
+def test_the_channel_balance_brings_turbo_closer_to_the_exact_model_and_a_dense_engine_takes_it_out(loaded):
+    exact, label = prose_nlls(loaded, "f32")
+    assert label == "off", "a dense engine takes out what an earlier test's turbo engine folded in"
+    original = {n: p.clone() for n, p in loaded.model.named_parameters()}
+    for kind in ("turbo3", "turbo4"):
+        balanced, label = prose_nlls(loaded, kind)
+        assert label == "on"
+        plain, label = prose_nlls(loaded, kind, kv_balance=False)
+        assert label == "off", "--no-kv-balance takes out the balance an earlier engine folded in"
+        error, error_plain = (balanced - exact).abs().mean(), (plain - exact).abs().mean()
+        assert error < 0.95 * error_plain, f"{kind}: mean |NLL error| {error:.4f} balanced, {error_plain:.4f} not"
+    _, label = prose_nlls(loaded, "turbo3")
+    _, label = prose_nlls(loaded, "bf16")
+    assert label == "off", "a dense cache takes out the balance a turbo engine folded in"
+    for name, p in loaded.model.named_parameters():
+        assert torch.allclose(p, original[name], rtol=1e-5, atol=1e-7), f"{name}: the model as loaded is not back"
