@@ -3,6 +3,7 @@ under a choice of key offset: how much of the quality loss each offset recovers 
 "Quality" quotes it).
 
     OMP_NUM_THREADS=1 python bench/kv_quality_emulation.py --kinds turbo3,turbo4 --offsets fixed,partial8,turned
+    OMP_NUM_THREADS=1 python bench/kv_quality_emulation.py --offsets partial8@ctx --balances off,1/8:1/4,1/4:1/4
 
 Every K and V the model writes goes into a float32 dense cache as dequantize(quantize(x - o)) + o (format.py's
 reference, specs/turboquant.md), with V's offset 0 and K's offset o one of
@@ -14,6 +15,10 @@ reference, specs/turboquant.md), with V's offset 0 and K's offset o one of
             the others; partialP@ctx: the pairs that gain most over --ctx positions (turned_pair_gains):
             `--kv-key-offset partial --kv-key-turned-pairs P`
             (server/kernels/turbo/key_offset.py, server/runtime/kv_calibration.py).
+``--balances`` adds the K / V channel balance the engine folds in by default (server/runtime/kv_balance.py) at
+chosen exponents "K:V" (the engine's: 1/8:1/4; "off" for none, what `--no-kv-balance` serves): K is stored as
+s (k - o) and read back divided by s, V as t v, with s and t from the same calibration forward as the engine's
+(the offset's pairs chosen on the unbalanced keys, where the engine chooses them on the balanced ones).
 Offsets come from one forward over kv_calibration.CALIBRATION_TEXT, as the engine's. Windows and scoring are
 the perplexity tool's (text_windows; the second half of each window scored), so each reproduces
 `turboserve perplexity --kv-cache-dtype KIND --kv-key-offset ...` up to the engine's own arithmetic. Also printed: the mean
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -34,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore  # noqa: E402
 from server.kernels.turbo.format import dequantize_reference, quantize_reference  # noqa: E402
 from server.kernels.turbo.key_offset import key_offset_at  # noqa: E402
-from server.runtime.kv_calibration import CALIBRATION_TEXT  # noqa: E402
+from server.runtime.kv_calibration import CALIBRATION_TEXT, balance_scales, record_attention  # noqa: E402
 from server.runtime.kv_calibration import key_offsets as calibrated_offsets  # noqa: E402
 from server.runtime.models.loader import load_model  # noqa: E402
 from server.tools.corpus import lee_corpus_path  # noqa: E402
@@ -93,6 +99,28 @@ def key_offsets(model, tokenizer, names: list[str], ctx: int) -> dict:
     return out
 
 
+def channel_scales(model, tokenizer, offset, exponents: tuple[float, float]) -> list:
+    """Per layer (K scales, V scales) [kv_heads, D] at ``exponents`` (K, V), measured as the engine does on the
+    model as loaded, the keys less ``offset``."""
+    cfg, ids = model.config, tokenizer.encode(CALIBRATION_TEXT)
+    recorded = record_attention(model, ids, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"),
+                                torch.float32)
+    positions = torch.arange(len(ids))
+    return [balance_scales(attention, r, offset(layer, positions), exponents)
+            for layer, (r, attention) in enumerate(zip(recorded, model.attentions()))]
+
+
+def exponent_pair(text: str) -> tuple[float, float] | None:
+    """"K:V" with fractions allowed ("1/8:1/4") -> (K, V); "off" -> None."""
+    if text == "off":
+        return None
+    try:
+        k, v = (float(Fraction(x)) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bad balance {text!r}: off or K:V exponents, e.g. 1/8:1/4") from None
+    return k, v
+
+
 def roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
     return dequantize_reference(*quantize_reference(x, kind), kind, x.shape[-1])
 
@@ -108,6 +136,8 @@ def main() -> int:
     p.add_argument("--kinds", default="turbo3", type=lambda s: s.split(","), help="e.g. turbo2,turbo3,turbo4")
     p.add_argument("--offsets", default="none,fixed,turned", type=lambda s: s.split(","),
                    help="none, fixed, turned, partialP (P rotate-half pairs per KV head turned, the rest fixed)")
+    p.add_argument("--balances", default="off", type=lambda s: s.split(","),
+                   help="K / V channel balance exponents K:V (the engine's 1/8:1/4) or off, comma-separated")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--file", type=Path, help="text to score (default: server/tools/corpus.py's corpus)")
@@ -124,21 +154,24 @@ def main() -> int:
     print(f"exact model (float32 cache): PPL {exact_ppl:.4f}", flush=True)
     for kind in args.kinds:
         for name in args.offsets:
-            offset = offsets[name]
+            for balance in args.balances:
+                offset, exponents = offsets[name], exponent_pair(balance)
+                ones = [(1.0, 1.0)] * model.config.num_layers
+                scales = ones if exponents is None else channel_scales(model, tokenizer, offset, exponents)
 
-            def encode(layer, k, v, positions, kind=kind, offset=offset):
-                o = offset(layer, positions)
-                return roundtrip(k - o, kind) + o, roundtrip(v, kind)
+                def encode(layer, k, v, positions, kind=kind, offset=offset, scales=scales):
+                    o, (s, t) = offset(layer, positions), scales[layer]
+                    return roundtrip((k - o) * s, kind) / s + o, roundtrip(v * t, kind) / t
 
-            nlls, kls = [], []
-            for w, ref in zip(windows, exact):
-                logp = forward(model, w, encode, half)
-                nlls.append(nll(logp, w, half))
-                kls.append((ref.exp() * (ref - logp)).sum(-1).mean().item())
-            result = summarize(nlls, args.ctx, n_text_tokens)
-            print(f"{kind} K offset {name:9s}: PPL {result.ppl:.4f} +/- {result.ppl_error:.4f} "
-                  f"({result.ppl / exact_ppl - 1:+.1%}), KL {sum(kls) / len(kls):.4f}, "
-                  f"chunks {' '.join(f'{c:.2f}' for c in result.chunk_ppls)}", flush=True)  # fmt: skip
+                nlls, kls = [], []
+                for w, ref in zip(windows, exact):
+                    logp = forward(model, w, encode, half)
+                    nlls.append(nll(logp, w, half))
+                    kls.append((ref.exp() * (ref - logp)).sum(-1).mean().item())
+                result = summarize(nlls, args.ctx, n_text_tokens)
+                print(f"{kind} K offset {name:9s} balance {balance:9s}: PPL {result.ppl:.4f} +/- "
+                      f"{result.ppl_error:.4f} ({result.ppl / exact_ppl - 1:+.1%}), KL {sum(kls) / len(kls):.4f}, "
+                      f"chunks {' '.join(f'{c:.2f}' for c in result.chunk_ppls)}", flush=True)  # fmt: skip
     return 0
 
 

@@ -40,7 +40,8 @@ def _balanced(numerator: torch.Tensor, denominator: torch.Tensor, exponent: floa
     return (log_scale - log_scale.mean(-1, keepdim=True)).exp().float()
 
 
-def key_scales(query_energy: torch.Tensor, residual_energy: torch.Tensor, per_head: bool) -> torch.Tensor:
+def key_scales(query_energy: torch.Tensor, residual_energy: torch.Tensor, per_head: bool,
+               exponent: float = KEY_EXPONENT) -> torch.Tensor:
     """K channel scales [kv_heads, D] from E q^2 and E (k - o)^2 per channel [kv_heads, D]; equal on the two
     channels of each rotate-half pair, and on all heads unless ``per_head``."""
 
@@ -48,9 +49,10 @@ def key_scales(query_energy: torch.Tensor, residual_energy: torch.Tensor, per_he
         e = e.unflatten(-1, (2, -1)).mean(-2).repeat(1, 2)
         return e if per_head else e.mean(0, keepdim=True).expand_as(e)
 
-    return _balanced(paired(query_energy), paired(residual_energy), KEY_EXPONENT)
+    return _balanced(paired(query_energy), paired(residual_energy), exponent)
 
 
-def value_scales(output_weight_energy: torch.Tensor, value_energy: torch.Tensor) -> torch.Tensor:
+def value_scales(output_weight_energy: torch.Tensor, value_energy: torch.Tensor,
+                 exponent: float = VALUE_EXPONENT) -> torch.Tensor:
     """V channel scales [kv_heads, D] from the squared column norms of W_o per V channel and E v^2."""
-    return _balanced(output_weight_energy, value_energy, VALUE_EXPONENT)
+    return _balanced(output_weight_energy, value_energy, exponent)

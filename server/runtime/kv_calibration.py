@@ -31,7 +31,7 @@ import torch
 from server.config import DEFAULT_KV_KEY_TURNED_PAIRS
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask, rope_turn
-from server.runtime.kv_balance import key_scales, value_scales
+from server.runtime.kv_balance import KEY_EXPONENT, VALUE_EXPONENT, key_scales, value_scales
 
 log = logging.getLogger(__name__)
 
@@ -167,17 +167,16 @@ def key_offsets(model, token_ids: list[int], num_layers: int, num_kv_heads: int,
     return [offsets_of_keys(r.keys, inv_freq, turned_pairs, context) for r in recorders]
 
 
-def _balance(attention, recorded: _Recorder, offset: KeyOffset | None) -> torch.Tensor:
-    """Fold one layer's K and V channel scales (runtime/kv_balance.py), measured on what the unbalanced layer
-    ``recorded``, into its weights; returns the K scales."""
+def balance_scales(attention, recorded: _Recorder, offsets: torch.Tensor | float,
+                   exponents: tuple[float, float] = (KEY_EXPONENT, VALUE_EXPONENT)) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V channel scales (runtime/kv_balance.py at ``exponents``) from what the unbalanced
+    ``attention`` ``recorded``, with ``offsets`` o(p) [n, kv_heads, D] (or 0) subtracted from its keys."""
     rest = slice(SKIPPED_TOKENS, None)  # the sink is unlike the other tokens, as for the offsets
-    k = recorded.keys
-    residual = k if offset is None else k - key_offset_at(offset, torch.arange(k.shape[0], device=k.device))
-    q = recorded.queries.unflatten(1, (k.shape[1], -1))  # [n, kv_heads, group, D]
-    key_scale = key_scales(q[rest].pow(2).mean((0, 2)), residual[rest].pow(2).mean(0), attention.key_scale_per_head)
-    value_scale = value_scales(attention.value_output_energy(), recorded.values[rest].pow(2).mean(0))
-    attention.set_kv_balance(key_scale, value_scale)
-    return key_scale
+    residual = (recorded.keys - offsets)[rest]
+    q = recorded.queries.unflatten(1, (recorded.keys.shape[1], -1))[rest]  # [n, kv_heads, group, D]
+    key_scale = key_scales(q.pow(2).mean((0, 2)), residual.pow(2).mean(0), attention.key_scale_per_head, exponents[0])
+    value_scale = value_scales(attention.value_output_energy(), recorded.values[rest].pow(2).mean(0), exponents[1])
+    return key_scale, value_scale
 
 
 def balance_label(model) -> str:
@@ -209,8 +208,11 @@ def calibrate_turbo_kv(model, tokenizer, stores: list, num_kv_heads: int, head_d
     if turned_pairs is not None:
         offsets = [offsets_of_keys(k, inv_freq, turned_pairs, max_tokens) for k in keys]
     for layer, attention in enumerate(attentions):
-        offset = None if offsets is None else offsets[layer]
-        keys[layer] = keys[layer] * _balance(attention, recorders[layer], offset)  # what the balanced layer writes
+        positions = torch.arange(keys[layer].shape[0], device=device)
+        o = 0.0 if offsets is None else key_offset_at(offsets[layer], positions)
+        key_scale, value_scale = balance_scales(attention, recorders[layer], o)
+        attention.set_kv_balance(key_scale, value_scale)
+        keys[layer] = keys[layer] * key_scale  # what the balanced layer writes
     if attentions:
         scales = torch.stack([s for a in attentions for s in (a.key_scale, a.value_scale)])
         log.info("turbo KV channel balance folded into the attention weights: K and V scales %.3g .. %.3g",
