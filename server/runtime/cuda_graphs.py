@@ -33,6 +33,7 @@ tokens reaching the host and the next replay).
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -123,7 +124,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         # Largest first, so the smaller graphs fit in the memory pool the largest one reserved.
         # The static slots are all -1 and seq_lens 0 here: capture writes and reads no page.
-        pool = torch.cuda.graph_pool_handle()
+        pool, start = torch.cuda.graph_pool_handle(), time.perf_counter()
         for key in sorted(((n, c) for n in self.sizes for c in self.context_lens), reverse=True):
             self._forward(*key)  # warm-up outside the capture: Triton compiles, the allocator settles
             torch.cuda.synchronize(self.device)
@@ -132,7 +133,8 @@ class DecodeGraphs:
                 self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s x longest contexts %s", self.sizes, self.context_lens)
+        log.info("captured %d decode CUDA graphs (batch sizes %s x longest contexts %s) in %.1f s", len(self.graphs),
+                 self.sizes, self.context_lens, time.perf_counter() - start)
 
     def can_run(self, num_rows: int, decode_only: bool, table_width: int, longest_context: int) -> bool:
         return (0 < num_rows <= self.sizes[-1] and decode_only and table_width <= self.block_tables.shape[1]
