@@ -10,9 +10,9 @@ the cache quantizes balanced channels.
 With an error spread evenly, a score's squared error goes as (sum_f a_f / s_f^2)(sum_f b_f s_f^2), a = E q^2
 (over the query heads reading the KV head), b = E r^2 (r = k - o(p), what a page stores); it is smallest at
 s^4 = a / b. An output's goes as (sum_i w_i / t_i^2)(sum_i c_i t_i^2), w = the squared norm of W_o's columns
-that read V channel i, c = E v^2: t^4 = w / c. Keys are balanced only halfway, s^8 = a / b: a quantizer's
-error is not that even on keys, and the full exponent measured worse (docs/BENCHMARKS.md "Quality"; any
-exponent up to the optimum's lowers the product above, which is log-convex in it).
+that read V channel i, c = E v^2: t^4 = w / c. Keys are balanced only halfway, s^8 = a / b: on the embedded
+model that measured as well as the full exponent (docs/BENCHMARKS.md "Quality") while leaning less on the
+even-error model; any exponent up to the optimum's lowers the product above, which is log-convex in it.
 
 RoPE turns channel f together with f + D/2, so a pair shares one K scale (the mean energies of its two
 channels): scaling then commutes with RoPE and folds into the rows of W_q and W_k. A model whose q/k norm
