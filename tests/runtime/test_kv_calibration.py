@@ -210,3 +210,31 @@ def test_the_turned_pair_count_of_each_offset_kind():
     assert [turned_pairs(kind, None, 128) for kind in ("fixed", "partial", "turned", "none")] == [0, 8, 64, 0]
     assert turned_pairs("partial", None, 8) == 4, "the default turns all pairs of a head with fewer than 8"
     assert turned_pairs("partial", 3, 64) == 3 and turned_pairs("fixed", 5, 64) == 0
+
+
+def test_a_balanced_engine_gives_its_stores_the_offsets_of_the_keys_the_balanced_model_writes():
+    """The offsets come after the fold: those of the keys the balanced model writes (its own calibration
+    forward, computed apart here); with ``none`` the model is balanced and the stores keep the plain format."""
+    model = tiny_llama(vocab_size=257, hidden_size=64, intermediate_size=64, num_heads=4, num_kv_heads=2,
+                       head_dim=64, rope_theta=100.0, max_position_embeddings=512, tie_word_embeddings=True)
+    loaded = ToyLoaded(model=model, config=model.config)
+    engine = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3")
+    try:
+        assert all(a.key_scale is not None and a.value_scale is not None for a in model.attentions())
+        assert build_info(engine.model_name)["kv_balance"] == "on"
+        ids = list(CALIBRATION_TEXT.encode())[:128]
+        args = (model, ids, 2, 2, 64, torch.device("cpu"), torch.float32)
+        for store, want in zip(engine.kv_cache.stores, key_offsets(*args, 8, context=128)):  # the balanced model
+            assert torch.equal(store.key_offset.pairs, want.pairs)
+            for name in ("const", "mean", "sink"):
+                assert torch.allclose(getattr(store.key_offset, name), getattr(want, name), atol=1e-5, rtol=1e-5)
+        out = engine.generate(list(b"hello there"), SamplingParams(max_tokens=4, temperature=0.0))
+        assert out.finish_reason == "length" and len(out.token_ids) == 4
+    finally:
+        engine.shutdown()
+    plain = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
+    try:
+        assert all(s.key_offset is None for s in plain.kv_cache.stores), "none: the spec's plain format"
+        assert all(a.key_scale is not None for a in model.attentions()), "balanced without an offset too"
+    finally:
+        plain.shutdown()
