@@ -192,7 +192,8 @@ def calibrate_turbo_kv(model, tokenizer, stores: list, num_kv_heads: int, head_d
     ``attentions()`` is left as it is) and give each turbo K store its layer's key offset
     (TurboKVStore.set_key_offset; ``turned_pairs`` None for none), a partial one turning the pairs that gain
     most over ``max_tokens`` positions. Both come from the model as loaded: a balance folded by an earlier
-    engine over the same model is taken out first (also for a dense cache, which then runs no prefill)."""
+    engine over the same model is taken out first (also for a dense cache, which then runs no prefill). The fold
+    is in the shared weights, so engines over one loaded model must run one at a time (the server builds one)."""
     attentions = model.attentions() if hasattr(model, "attentions") else []
     for attention in attentions:
         attention.set_kv_balance(None, None)
