@@ -53,7 +53,8 @@ class ProcessMetrics:
         build.labels(self.model_name).info({
             "version": package_version(), "device": device, "kv_cache_dtype_k": kv_cache_dtype_k,
             "kv_cache_dtype_v": kv_cache_dtype_v, "kv_key_offset": kv_key_offset,
-            "kv_key_turned_pairs": str(kv_key_turned_pairs), "kv_balance": kv_balance, "weight_formats": weight_formats, "kernels": kernels,
+            "kv_key_turned_pairs": str(kv_key_turned_pairs), "kv_balance": kv_balance,
+            "weight_formats": weight_formats, "kernels": kernels,
         })  # fmt: skip
 
     def watch_engine(self, is_alive: Callable[[], bool]) -> None:

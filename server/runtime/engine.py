@@ -118,7 +118,7 @@ class Engine:
         calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                            self.device, dtype, self.max_model_len, key_pairs if offset else None,
                            config.kv_balance and turbo)
-        if k_kind not in TURBO_KV_KINDS and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
+        if not turbo and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)
         self.scheduler = Scheduler(config, self.kv_cache)

@@ -180,9 +180,9 @@ def balance_scales(attention, recorded: _Recorder, offsets: torch.Tensor | float
 
 
 def balance_label(model) -> str:
-    """"on" if the model has a K / V channel balance folded in, else "off"."""
-    attentions = model.attentions()[:1] if hasattr(model, "attentions") else []
-    return "on" if any(a.key_scale is not None for a in attentions) else "off"
+    """"on" if the model has a K / V channel balance folded in (every layer or none), else "off"."""
+    folded = hasattr(model, "attentions") and model.attentions()[0].key_scale is not None
+    return "on" if folded else "off"
 
 
 def calibrate_turbo_kv(model, tokenizer, stores: list, num_kv_heads: int, head_dim: int, device: torch.device,
@@ -197,10 +197,9 @@ def calibrate_turbo_kv(model, tokenizer, stores: list, num_kv_heads: int, head_d
     attentions = model.attentions() if hasattr(model, "attentions") else []
     for attention in attentions:
         attention.set_kv_balance(None, None)
-    if not balance:
-        attentions = []
-        if turned_pairs is None:
-            return  # a dense cache, or a turbo one with neither
+    balanced = attentions if balance else []
+    if not balanced and turned_pairs is None:
+        return  # a dense cache, or a turbo one with neither
     token_ids = tokenizer.encode(CALIBRATION_TEXT)[:max_tokens]
     recorders = record_attention(model, token_ids, len(stores), num_kv_heads, head_dim, device, dtype)
     inv_freq = model.rope_inv_freq().to(device, torch.float32)
@@ -208,19 +207,19 @@ def calibrate_turbo_kv(model, tokenizer, stores: list, num_kv_heads: int, head_d
     offsets = None
     if turned_pairs is not None:
         offsets = [offsets_of_keys(k, inv_freq, turned_pairs, max_tokens) for k in keys]
-    for layer, attention in enumerate(attentions):
+    for layer, attention in enumerate(balanced):
         positions = torch.arange(keys[layer].shape[0], device=device)
         o = 0.0 if offsets is None else key_offset_at(offsets[layer], positions)
         key_scale, value_scale = balance_scales(attention, recorders[layer], o)
         attention.set_kv_balance(key_scale, value_scale)
         keys[layer] = keys[layer] * key_scale  # what the balanced layer writes
-    if attentions:
-        scales = torch.stack([s for a in attentions for s in (a.key_scale, a.value_scale)])
+    if balanced:
+        scales = torch.stack([s for a in balanced for s in (a.key_scale, a.value_scale)])
         log.info("turbo KV channel balance folded into the attention weights: K and V scales %.3g .. %.3g",
                  scales.min(), scales.max())
     if turned_pairs is None:
         return
-    if attentions:  # the offsets of the keys the balanced model writes
+    if balanced:  # the offsets of the keys the balanced model writes
         offsets = [offsets_of_keys(k, inv_freq, turned_pairs, max_tokens) for k in keys]
     for store, offset in zip(stores, offsets):
         store.set_key_offset(offset)

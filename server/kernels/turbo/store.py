@@ -28,19 +28,10 @@ import torch
 from server.kernels.backend import use_triton
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
-from server.kernels.turbo.attention import (
-    NewTokens,
-    attention_over_decoded_pages,
-    decode_attention_triton,
-)
+from server.kernels.turbo.attention import NewTokens, attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.attention_cuda import decode_attention_cuda
 from server.kernels.turbo.codebook import codebook
-from server.kernels.turbo.format import (
-    RowLayout,
-    bits_per_value,
-    group_size,
-    quantize_reference,
-)
+from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo
 
