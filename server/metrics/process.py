@@ -61,6 +61,10 @@ class ProcessMetrics:
         """Report the engine loop's liveness, asked at every scrape (what /health answers)."""
         engine_alive.labels(self.model_name).set_function(lambda: float(is_alive()))
 
+    def on_shutdown(self) -> None:
+        """The engine stopped: report 0 without asking it, so the registry no longer keeps it (and its KV pool)."""
+        engine_alive.labels(self.model_name).set_function(lambda: 0.0)
+
     def on_cuda_graphs(self, num_captured: int) -> None:
         cuda_graphs_captured.labels(self.model_name).set(num_captured)
 

@@ -186,6 +186,7 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+        self.metrics.process.on_shutdown()
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -367,3 +367,21 @@ def test_steps_respect_max_num_seqs_and_the_token_budget_with_decodes_first(load
 def test_settings_that_could_never_run_a_step_are_refused(loaded, setting):
     with pytest.raises(ValueError, match=f"{next(iter(setting))}=0 must be at least 1"):
         make_engine(loaded, **setting)
+
+
+def test_a_shut_down_engine_is_freed_once_dropped(loaded):
+    """Nothing global keeps a shut-down engine (and its KV pool) alive: a process that builds engines one after
+    another gets each pool back. /metrics then reads it as not alive."""
+    import gc
+    import weakref
+
+    from prometheus_client import REGISTRY
+
+    engine = make_engine(loaded, max_model_len=64)
+    engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    name, ref = engine.model_name, weakref.ref(engine)
+    engine.shutdown()
+    assert REGISTRY.get_sample_value("turboserve_engine_alive", {"model_name": name}) == 0.0
+    del engine
+    gc.collect()
+    assert ref() is None, f"still referenced by {[type(r).__name__ for r in gc.get_referrers(ref())]}"
