@@ -29,6 +29,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32: rows of q that belong to each sequence
     seq_lens_cpu: list[int]  # host copies, so reference paths and launchers never sync
     query_lens_cpu: list[int]
+    # [S] int32: each sequence's row of a turbo store's recent window (server/kernels/turbo/recent.py);
+    # None where the cache keeps none
+    recent_rows: torch.Tensor | None = None
 
     @property
     def max_seq_len(self) -> int:

@@ -1,0 +1,134 @@
+"""The recent window: each sequence's last W tokens kept unquantized beside its turbo pages.
+
+Why: a turbo page spreads its error over every key it holds, and a query leans hardest on the keys
+nearest to it. Reading the last W positions exactly removes most of the loss (docs/BENCHMARKS.md
+"Quality"), for W rows per running sequence, not per cached token.
+
+Meaning (the reference below defines it): a query at position t reads key and value j exactly when
+j > t - W, and from the turbo pages when j <= t - W. The rule depends on t alone, so a chunked prefill
+gives the same result at any chunk boundary as a whole one, and a decode step the same as a prefill.
+
+Storage: ``k`` and ``v`` [rows, W, kv_heads, D] in the model's dtype. Sequence s owns ring row
+``meta.recent_rows[s]`` (the runtime hands one to each running sequence, as it hands out pages), and
+position p lives at ring index p % W there. A row holds what a page quantizes, before quantization:
+rotate(k - o(p)) for keys (o the store's key offset, key_offset.py; 0 without one) and rotate(v) for
+values, so a decode kernel reads it in the rotated domain it already works in.
+
+Write order: a decode step writes its token before attending (it overwrites position t - W, which
+its own query no longer reads exactly). A prefill chunk first reads the ring as the step found it,
+for the W - 1 positions before the chunk, and writes its last W tokens after attending; otherwise a
+long chunk would overwrite positions its first queries still read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.rotation import rotate_reference
+from server.kernels.turbo.format import dequantize_reference, group_size
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+
+
+@dataclass
+class RecentWindow:
+    k: torch.Tensor  # [rows, W, kv_heads, D]: rotate(k - o(p)) of position p at index p % W of its row
+    v: torch.Tensor  # [rows, W, kv_heads, D]: rotate(v)
+
+    @property
+    def size(self) -> int:
+        """W: how many of a sequence's last positions are read exactly."""
+        return self.k.shape[1]
+
+    @staticmethod
+    def empty(rows: int, size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> RecentWindow:
+        shape = (rows, size, kv_heads, head_dim)
+        return RecentWindow(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def bytes_per_row(size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's ring in one layer (K and V)."""
+        return 2 * size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def recent_values(x: torch.Tensor, positions: torch.Tensor, key_offset: KeyOffset | None, dtype: torch.dtype) -> torch.Tensor:
+    """What the ring stores for x [T, kv_heads, D] at ``positions`` [T]: rotate(x - o(p)) in ``dtype``."""
+    x = x.float()
+    if key_offset is not None:
+        x = x - key_offset_at(key_offset, positions)
+    return rotate_reference(x, group_size(x.shape[-1])).to(dtype)
+
+
+def written_tokens(meta: AttentionMetadata, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of q, their ring slots row * W + p % W) of the tokens a step leaves in the ring: each sequence's
+    last W positions of this step (earlier ones of a long chunk would be overwritten by later ones)."""
+    starts, rows_of_seq = meta.query_start_loc.tolist(), meta.recent_rows.tolist()
+    tokens, slots = [], []
+    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        first = max(seq_len - q_len, seq_len - size)
+        for p in range(first, seq_len):
+            tokens.append(starts[s] + p - (seq_len - q_len))
+            slots.append(rows_of_seq[s] * size + p % size)
+    device = meta.query_start_loc.device
+    return torch.tensor(tokens, dtype=torch.long, device=device), torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def write_recent(recent: RecentWindow, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store the step's ring rows (recent_values of its k and v, [T, kv_heads, D]) for its last W positions."""
+    tokens, slots = written_tokens(meta, recent.size)
+    flat = (-1, *recent.k.shape[2:])
+    recent.k.view(flat).index_copy_(0, slots, k_rows[tokens].to(recent.k.dtype))
+    recent.v.view(flat).index_copy_(0, slots, v_rows[tokens].to(recent.v.dtype))
+
+
+def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: str, v_kind: str,
+                                    recent: RecentWindow, step_k_rows: torch.Tensor, step_v_rows: torch.Tensor,
+                                    meta: AttentionMetadata, scale: float,
+                                    key_offset: KeyOffset | None = None) -> torch.Tensor:
+    """The meaning of turbo attention with a recent window, in float32.
+
+    k_pages / v_pages: TurboPages written with this step's tokens. ``recent``: the ring before this step's
+    write (or after a decode step's: the only row that write changes is no longer read exactly).
+    step_k_rows / step_v_rows [T, kv_heads, D]: recent_values of this step's k and v, the exact values of its
+    own positions. ``key_offset``: o(p) added back to every key (pass it when it varies with p, as the store).
+    """
+    head_dim, size = q.shape[-1], recent.size
+    group = group_size(head_dim)
+    page_size, kv_heads = k_pages.codes.shape[2], k_pages.codes.shape[1]
+    gqa = q.shape[1] // kv_heads
+    out = torch.empty_like(q)
+    starts, rows_of_seq = meta.query_start_loc.tolist(), meta.recent_rows.tolist()
+    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        if q_len == 0:
+            continue
+        first = seq_len - q_len
+        pages = meta.block_tables[s, : -(-seq_len // page_size)].long()
+        positions = torch.arange(seq_len, device=q.device)
+        offset = key_offset_at(key_offset, positions) if key_offset is not None else 0.0
+
+        def paged(pages_of, kind):  # [seq_len, kv_heads, D] in the original domain
+            x = dequantize_reference(pages_of.codes[pages], pages_of.norms[pages], kind, head_dim)
+            return x.transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
+
+        def exact(ring, step_rows):  # ring rows before the chunk, the step's own after it
+            rows = ring[rows_of_seq[s]][positions % size].float()
+            rows[first:] = step_rows[starts[s] : starts[s] + q_len].float()
+            return rotate_reference(rows, group, inverse=True)
+
+        k_quant, v_quant = paged(k_pages, k_kind) + offset, paged(v_pages, v_kind)
+        k_exact, v_exact = exact(recent.k, step_k_rows) + offset, exact(recent.v, step_v_rows)
+        qs = q[starts[s] : starts[s] + q_len].float()
+        t = torch.arange(first, seq_len, device=q.device)[None, :, None]  # [1, q_len, 1]
+        j = positions[None, None, :]
+        near = j > t - size
+        heads = lambda x: x.repeat_interleave(gqa, dim=1)  # noqa: E731  [seq_len, q_heads, D]
+        scores = torch.where(near, torch.einsum("qhd,khd->hqk", qs, heads(k_exact)),
+                             torch.einsum("qhd,khd->hqk", qs, heads(k_quant))) * scale
+        probs = torch.softmax(scores.masked_fill(j > t, float("-inf")), dim=-1)
+        out[starts[s] : starts[s] + q_len] = (
+            torch.einsum("hqk,khd->qhd", probs * near, heads(v_exact))
+            + torch.einsum("hqk,khd->qhd", probs * ~near, heads(v_quant))
+        ).to(q.dtype)
+    return out
