@@ -92,7 +92,7 @@ def profile_case(loaded, kind: str, depth: int, dev: torch.device) -> None:
     graphs = DecodeGraphs(loaded.model, stores, 1, max_pages, max_model_len, dev)
     graphs.capture()
     table = torch.arange(-(-seq_len // PAGE), dtype=torch.int32)[None].numpy()
-    args = ([7], [seq_len - 1], [seq_len - 1], [seq_len], table)
+    args = ([7], [seq_len - 1], [seq_len - 1], [seq_len], [0], table)
     model = loaded.model
 
     def step():

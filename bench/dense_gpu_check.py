@@ -297,7 +297,7 @@ def gemv_sweep(device, copy_gbs: float) -> None:
 def _runner_loop_ms(model, graphs, ids, positions, meta, steps: int = 30) -> float:
     """Wall ms per step of replay + LM head + greedy argmax + reading the token back, each step waiting for
     the last as the engine does: device time plus the runner's own host gaps (no scheduler, no engine)."""
-    args = (ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens_cpu, meta.block_tables.cpu().numpy())
+    args = (ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens_cpu, [0] * len(meta.seq_lens_cpu), meta.block_tables.cpu().numpy())
     with torch.inference_mode():
         for i in range(steps + 3):
             if i == 3:

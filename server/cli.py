@@ -25,7 +25,8 @@ import re
 import sys
 
 from server.config import (
-    DEFAULT_KV_KEY_OFFSET, KV_CACHE_DTYPES, KV_KEY_OFFSETS, MODEL_DTYPES, EngineConfig, ServerConfig,
+    DEFAULT_KV_KEY_OFFSET, DEFAULT_KV_RECENT_WINDOW, KV_CACHE_DTYPES, KV_KEY_OFFSETS, MODEL_DTYPES, EngineConfig,
+    ServerConfig,
 )  # fmt: skip
 
 # (subcommand, module that defines it, the parsers its register() receives)
@@ -110,6 +111,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_argument(parser, "--no-kv-balance", dest="kv_balance", action="store_false",
                  help="do not fold turbo K / V channel scales into the attention weights (they cut turbo's "
                       "quality loss at no cost per token; server/runtime/kv_balance.py)")
+    add_argument(parser, "--kv-recent-window", type=int, default=DEFAULT_KV_RECENT_WINDOW,
+                 help="turbo KV: each sequence's last N tokens are also kept unquantized and read exactly (a query "
+                      "reads its N nearest keys exactly); 0 turns it off (server/kernels/turbo/recent.py)")
     add_argument(parser, "--kv-cache-memory", type=parse_size, default=None,
                  help="bytes for the KV page pool, e.g. 2GiB or 512MiB (default: a share of free memory)")
     add_argument(parser, "--page-size", type=int, default=16, help="tokens per KV page")
@@ -132,6 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
         kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_memory=args.kv_cache_memory, kv_key_offset=args.kv_key_offset,
         kv_key_turned_pairs=args.kv_key_turned_pairs, kv_balance=args.kv_balance,
+        kv_recent_window=args.kv_recent_window,
         page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue, seed=args.seed,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,

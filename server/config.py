@@ -11,6 +11,9 @@ KV_KEY_OFFSETS = ("fixed", "partial", "turned", "none")  # what a turbo K store 
 # (docs/BENCHMARKS.md "Quality", "TurboQuant decode with a partial key offset")
 DEFAULT_KV_KEY_OFFSET = "partial"
 DEFAULT_KV_KEY_TURNED_PAIRS = 8  # partial's rotate-half pairs per KV head (all of them in heads with fewer)
+# Turbo caches also keep each sequence's last 128 tokens unquantized (kernels/turbo/recent.py): in emulation
+# on the embedded model, turbo3's perplexity loss +4.5 % -> +0.7 % (docs/BENCHMARKS.md "Quality")
+DEFAULT_KV_RECENT_WINDOW = 128
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class EngineConfig:
     kv_key_offset: str = DEFAULT_KV_KEY_OFFSET  # one of KV_KEY_OFFSETS
     kv_key_turned_pairs: int | None = None  # partial: pairs per KV head that turn (None: DEFAULT_KV_KEY_TURNED_PAIRS)
     kv_balance: bool = True  # fold turbo K / V channel scales into the attention weights (runtime/kv_balance.py)
+    kv_recent_window: int = DEFAULT_KV_RECENT_WINDOW  # turbo: last tokens of each sequence read unquantized; 0 off
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64  # sequences running at once

@@ -24,7 +24,7 @@ launch shapes depend on the host metadata only, never on the values of ``seq_len
 planned for a longest context L is correct for every batch whose contexts are at most L.
 
 A replay's inputs arrive in two host-to-device copies (one int64 buffer: ids, positions, slots;
-one int32 buffer: seq_lens, block tables) from pinned memory straight into the buffers the graphs
+one int32 buffer: seq_lens, recent-window rows, block tables) from pinned memory straight into the buffers the graphs
 read: each separate copy or fill costs host time, and without async scheduling the device idles
 through it (an H200 profile of the 8B batch-1 runner loop: ~0.26 ms of a 4.5 ms step between the
 tokens reaching the host and the next replay).
@@ -94,13 +94,14 @@ class DecodeGraphs:
         largest = self.sizes[-1]
         pinned = device.type == "cuda"
         self._host64 = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pinned)
-        self._host32 = torch.zeros(largest * (1 + max_pages_per_seq), dtype=torch.int32, pin_memory=pinned)
+        self._host32 = torch.zeros(largest * (2 + max_pages_per_seq), dtype=torch.int32, pin_memory=pinned)
         self._host64[2] = -1  # padding rows write no slot
         self._inputs64 = self._host64.to(device, copy=True)
         self._inputs32 = self._host32.to(device, copy=True)
         self.input_ids, self.positions, self.slot_mapping = self._inputs64
         self.seq_lens = self._inputs32[:largest]
-        self.block_tables = self._inputs32[largest:].view(largest, max_pages_per_seq)
+        self.recent_rows = self._inputs32[largest : 2 * largest]  # padding rows: row 0, never read or written
+        self.block_tables = self._inputs32[2 * largest :].view(largest, max_pages_per_seq)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         # Recorded after each copy out of the host buffers: the next fill waits for it.
         self._copied = torch.cuda.Event() if pinned else None
@@ -115,6 +116,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: n + 1],
             seq_lens_cpu=[context_len] * n,  # launch-planning hint only: the graph serves every length up to it
             query_lens_cpu=[1] * n,
+            recent_rows=self.recent_rows[:n],
         )
 
     def _forward(self, n: int, context_len: int) -> torch.Tensor:
@@ -146,12 +148,13 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode batch given as device tensors (tests, benches)."""
+        recent_rows = [0] * len(meta.seq_lens_cpu) if meta.recent_rows is None else meta.recent_rows.tolist()
         return self.run_host(input_ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens_cpu,
-                             meta.block_tables.cpu().numpy())  # fmt: skip
+                             recent_rows, meta.block_tables.cpu().numpy())  # fmt: skip
 
     def run_host(
-        self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], block_tables: np.ndarray,
-        device_ids: torch.Tensor | None = None,  # [n] token ids still on the device: replace input_ids
+        self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], recent_rows: list[int],
+        block_tables: np.ndarray, device_ids: torch.Tensor | None = None,  # [n] token ids still on the device: replace input_ids
     ) -> torch.Tensor:  # fmt: skip
         """Hidden states [n, hidden] of a decode batch given on the host (check ``can_run`` first)."""
         n, width = len(input_ids), block_tables.shape[1]
@@ -165,8 +168,9 @@ class DecodeGraphs:
         host64[:2, n:size], host64[2, n:size] = 0, -1
         largest = self.sizes[-1]
         host32[:n], host32[n:size] = seq_lens, 0
-        host32[largest:].reshape(largest, -1)[:n, :width] = block_tables  # columns past width: never read
-        used32 = largest + size * self.block_tables.shape[1]
+        host32[largest : largest + n], host32[largest + n : largest + size] = recent_rows, 0
+        host32[2 * largest :].reshape(largest, -1)[:n, :width] = block_tables  # columns past width: never read
+        used32 = 2 * largest + size * self.block_tables.shape[1]
         self._inputs64.copy_(self._host64, non_blocking=True)
         self._inputs32[:used32].copy_(self._host32[:used32], non_blocking=True)
         if device_ids is not None:

@@ -112,7 +112,8 @@ class Engine:
         key_pairs = turned_pairs(config.kv_key_offset, config.kv_key_turned_pairs, mc.head_dim)  # bad values fail here
         budget = config.kv_cache_memory if config.kv_cache_memory is not None else default_budget_bytes(self.device)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype)
+        self.kv_cache = KVCache(layout, k_kind, v_kind, budget, config.page_size, self.device, dtype,
+                                min(config.kv_recent_window, self.max_model_len), config.max_num_seqs)
         turbo = k_kind in TURBO_KV_KINDS  # a turbo V needs a turbo K (kv_cache.py)
         offset = turbo and config.kv_key_offset != "none"  # keys lose their shared direction first
         calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,

@@ -75,6 +75,13 @@ def bytes_per_token(layout: KVLayout, k_kind: str, v_kind: str) -> int:
     return layout.num_layers * one
 
 
+def _recent_bytes_per_row(window: int, layout: KVLayout, dtype: torch.dtype) -> int:
+    if not window:
+        return 0
+    recent = importlib.import_module("server.kernels.turbo.recent").RecentWindow
+    return recent.bytes_per_row(window, layout.num_kv_heads, layout.head_dim, dtype)
+
+
 def bits_per_value(kind: str) -> float:
     """Storage bits of one cached K or V element (turbo kinds include their norms)."""
     if kind in DENSE_KV_DTYPES:
@@ -103,35 +110,51 @@ class KVCache:
         page_size: int,
         device: torch.device,
         compute_dtype: torch.dtype,
+        recent_window: int = 0,
+        max_num_seqs: int = 1,
     ):
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be at least 1 token")
+        if recent_window < 0:
+            raise ValueError(f"recent window {recent_window} must be 0 (off) or a number of tokens")
         self.layout, self.k_kind, self.v_kind = layout, k_kind, v_kind
         self.page_size = page_size
         self.bytes_per_token = bytes_per_token(layout, k_kind, v_kind)
         self.bytes_per_page = self.bytes_per_token * page_size
-        self.num_pages = budget_bytes // self.bytes_per_page
-        if self.num_pages < 1:
+        # Turbo stores keep each running sequence's last recent_window tokens unquantized too (kernels/turbo/
+        # recent.py): a row per sequence that may hold pages, paid for out of the same budget. Rows take at most
+        # half of it: a small budget gets fewer rows, and fewer sequences run at once (can_grow).
+        self.recent_window = recent_window if k_kind in TURBO_KV_KINDS else 0
+        row_bytes = layout.num_layers * _recent_bytes_per_row(self.recent_window, layout, compute_dtype)
+        self.recent_rows = min(max_num_seqs, budget_bytes // 2 // row_bytes) if row_bytes else 0
+        self.recent_bytes = self.recent_rows * row_bytes
+        self.num_pages = (budget_bytes - self.recent_bytes) // self.bytes_per_page
+        if self.num_pages < 1 or (row_bytes and not self.recent_rows):
+            ring = f" and a {row_bytes}-byte recent-window row (--kv-recent-window 0 needs none)" if row_bytes else ""
             raise ValueError(
-                f"KV cache budget of {budget_bytes} bytes holds no page: one page of {page_size} tokens "
+                f"KV cache budget of {budget_bytes} bytes holds no page{ring}: one page of {page_size} tokens "
                 f"needs {self.bytes_per_page} bytes ({k_kind}/{v_kind}); raise --kv-cache-memory"
             )
         self.stores: list[KVLayerStore] = [self._make_store(device, compute_dtype) for _ in range(layout.num_layers)]
         self.free_pages: deque[int] = deque(range(self.num_pages))
+        self.free_recent_rows: deque[int] = deque(range(self.recent_rows))
 
     def _make_store(self, device: torch.device, compute_dtype: torch.dtype) -> KVLayerStore:
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         if self.k_kind in DENSE_KV_DTYPES:
             return DenseKVStore(self.num_pages, self.page_size, heads, dim, DENSE_KV_DTYPES[self.k_kind], device)
         store_cls = _turbo_store_class()
-        return store_cls(self.num_pages, self.page_size, heads, dim, self.k_kind, self.v_kind, device, compute_dtype)
+        return store_cls(self.num_pages, self.page_size, heads, dim, self.k_kind, self.v_kind, device, compute_dtype,
+                         recent=(self.recent_rows, self.recent_window))
 
     # -- page accounting -------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether ``seq`` can hold ``num_tokens`` tokens with the pages that are free now."""
+        """Whether ``seq`` can hold ``num_tokens`` tokens with the pages (and recent row) that are free now."""
+        if self.recent_rows and seq.recent_row is None and not self.free_recent_rows:
+            return False  # a finished sequence still in flight holds its row until that step ends
         return self.pages_for(num_tokens) - len(seq.block_table) <= len(self.free_pages)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -139,12 +162,19 @@ class KVCache:
         if missing > len(self.free_pages):
             free = len(self.free_pages)
             raise RuntimeError(f"KV pool exhausted: {seq.request_id} needs {missing} pages, {free} free")
+        if self.recent_rows and seq.recent_row is None:
+            if not self.free_recent_rows:
+                raise RuntimeError(f"no recent-window row free for {seq.request_id}: check can_grow first")
+            seq.recent_row = self.free_recent_rows.popleft()
         for _ in range(missing):
             seq.block_table.append(self.free_pages.popleft())
 
     def free(self, seq: Sequence) -> None:
         self.free_pages.extend(seq.block_table)
         seq.block_table = []
+        if seq.recent_row is not None:
+            self.free_recent_rows.append(seq.recent_row)
+            seq.recent_row = None
 
     def slots(self, seq: Sequence, start: int, n: int) -> list[int]:
         """Pool slots (page * page_size + offset) of positions start .. start + n - 1."""
@@ -173,8 +203,10 @@ class KVCache:
         return self.num_pages * self.page_size
 
     def describe(self) -> str:
+        recent = (f", last {self.recent_window} tokens of {self.recent_rows} sequences unquantized "
+                  f"({self.recent_bytes / 2**20:.1f} MiB)" if self.recent_rows else "")
         return (
             f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.tokens_that_fit} tokens, "
             f"K={self.k_kind} V={self.v_kind}, {self.bytes_per_token} bytes/token, "
-            f"{self.bytes_total / 2**20:.1f} MiB"
+            f"{self.bytes_total / 2**20:.1f} MiB{recent}"
         )

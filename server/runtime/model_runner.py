@@ -32,6 +32,7 @@ class HostBatch:
     slots: list[int]
     seq_lens: list[int]
     query_lens: list[int]
+    recent_rows: list[int]  # each sequence's row of a turbo cache's recent window (0 without one)
     block_tables: np.ndarray  # [S, widest block table of the batch] int32
     logit_rows: list[int]  # rows of the flat batch whose logits are computed
     row_starts: list[int]  # first row of each chunk
@@ -121,7 +122,8 @@ class ModelRunner:
                 logit_rows.append(first_row + n - 1)
         seq_lens = [c.start + c.num_tokens for c in chunks]
         query_lens = [c.num_tokens for c in chunks]
-        return HostBatch(ids, positions, slots, seq_lens, query_lens, block_tables, logit_rows, row_starts)
+        recent_rows = [c.seq.recent_row or 0 for c in chunks]
+        return HostBatch(ids, positions, slots, seq_lens, query_lens, recent_rows, block_tables, logit_rows, row_starts)
 
     def prepare(self, batch: HostBatch) -> StepInputs:
         """Device tensors of an eager step."""
@@ -129,15 +131,16 @@ class ModelRunner:
         query_start = batch.row_starts + [t]
         # One copy for all 1-D inputs (a copy costs more than its bytes here). Plain, not pinned:
         # the device is idle now, waiting for exactly these inputs.
-        flat = torch.tensor(batch.ids + batch.positions + batch.slots + batch.seq_lens + query_start,
+        flat = torch.tensor(batch.ids + batch.positions + batch.slots + batch.seq_lens + batch.recent_rows + query_start,
                             dtype=torch.int64, device=self.device)  # fmt: skip
         meta = AttentionMetadata(
             slot_mapping=flat[2 * t : 3 * t],
             block_tables=torch.from_numpy(batch.block_tables).to(self.device),
             seq_lens=flat[3 * t : 3 * t + s].to(torch.int32),
-            query_start_loc=flat[3 * t + s :].to(torch.int32),
+            query_start_loc=flat[3 * t + 2 * s :].to(torch.int32),
             seq_lens_cpu=batch.seq_lens,
             query_lens_cpu=batch.query_lens,
+            recent_rows=flat[3 * t + s : 3 * t + 2 * s].to(torch.int32),
         )
         return StepInputs(flat[:t], flat[t : 2 * t], meta)
 
@@ -148,8 +151,8 @@ class ModelRunner:
             len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1], max(batch.seq_lens)
         )
         if self.used_cuda_graph:
-            return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,
-                                        device_ids)  # fmt: skip
+            return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.recent_rows,
+                                        batch.block_tables, device_ids)  # fmt: skip
         inputs = self.prepare(batch)
         if device_ids is not None:
             inputs.input_ids.copy_(device_ids)

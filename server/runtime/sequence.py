@@ -100,6 +100,7 @@ class Sequence:
         self.on_output = on_output
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.recent_row: int | None = None  # its row of a turbo cache's recent window (kv_cache.py)
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None  # set when it ends; its final output may follow a step later
         self.final_output_sent = False

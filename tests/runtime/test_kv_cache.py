@@ -84,3 +84,37 @@ def test_turbo_pool_holds_more_tokens_in_the_same_bytes():
 
 def test_default_cpu_budget_is_modest():
     assert 0 < default_budget_bytes(CPU) <= 1 << 30
+
+
+def test_turbo_pools_pay_for_a_recent_window_row_per_sequence_and_hand_rows_out_like_pages():
+    # turbo3, head_dim 64: 3 layers * (K + V) * 2 heads * (24 code + 2 norm bytes) = 312 bytes per token.
+    # A row: 3 layers * (K + V) * 8 tokens * 2 heads * 64 dims * 4 bytes (float32 model) = 24,576 bytes.
+    kv = KVCache(LAYOUT, "turbo3", "turbo3", 4 * 24_576 + 10 * 16 * 312, 16, CPU, torch.float32,
+                 recent_window=8, max_num_seqs=2)  # fmt: skip
+    assert kv.bytes_per_token == 312 and kv.recent_rows == 2 and kv.recent_bytes == 2 * 24_576
+    assert kv.num_pages == (2 * 24_576 + 10 * 16 * 312) // (16 * 312)
+    assert kv.stores[0].recent.k.shape == (2, 8, 2, 64)
+    a, b, c = (Sequence(r, [1], SamplingParams(), seed=0) for r in "abc")
+    kv.grow(a, 1)
+    kv.grow(b, 1)
+    assert {a.recent_row, b.recent_row} == {0, 1}
+    assert not kv.can_grow(c, 1)  # pages are free, rows are not
+    with pytest.raises(RuntimeError, match="recent-window row"):
+        kv.grow(c, 1)
+    row = a.recent_row
+    kv.free(a)
+    assert a.recent_row is None and kv.can_grow(c, 1)
+    kv.grow(c, 1)
+    assert c.recent_row == row
+    assert "last 8 tokens of 2 sequences unquantized" in kv.describe()
+
+
+def test_a_small_budget_gets_fewer_recent_rows_and_dense_pools_none():
+    budget = 3 * 24_576  # rows take at most half: one row, and pages in the rest
+    kv = KVCache(LAYOUT, "turbo3", "turbo3", budget, 16, CPU, torch.float32, recent_window=8, max_num_seqs=64)
+    assert kv.recent_rows == 1 and kv.num_pages == 2 * 24_576 // (16 * 312)
+    with pytest.raises(ValueError, match="--kv-recent-window 0"):
+        KVCache(LAYOUT, "turbo3", "turbo3", 2 * 24_000, 16, CPU, torch.float32, recent_window=8, max_num_seqs=64)
+    dense = KVCache(LAYOUT, "f16", "f16", budget, 16, CPU, torch.float32, recent_window=8, max_num_seqs=64)
+    assert dense.recent_rows == 0 and dense.recent_bytes == 0
+    assert KVCache(LAYOUT, "turbo3", "turbo3", budget, 16, CPU, torch.float32).stores[0].recent is None

@@ -124,7 +124,7 @@ def test_fixed_key_offsets_are_the_mean_written_key_at_every_position():
 
 def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_dense_engines_none():
     loaded = ToyLoaded(model=ToyModel(CONFIG, seed=3), config=CONFIG)
-    engines = [make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3")]
+    engines = [make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo3")]
     try:
         turbo = engines[0]  # --kv-key-offset partial --kv-key-turned-pairs 8, the default
         info = build_info(turbo.model_name)  # /metrics says which offset runs (the engines share the toy's name)
@@ -141,17 +141,17 @@ def test_turbo_engines_give_every_store_its_layer_offset_of_the_chosen_kind_and_
             assert store.key_offset.pairs.shape == (CONFIG.num_kv_heads, 8)
             assert all(torch.equal(getattr(store.key_offset, n), getattr(o, n)) for n in ("const", "mean", "pairs"))
         assert all(not hasattr(s, "key_offset") for s in dense.kv_cache.stores)
-        turned = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo4",
+        turned = make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo4",
                              kv_cache_dtype_v="turbo2", kv_key_offset="turned")
         info = build_info(turned.model_name)
         assert (info["kv_key_offset"], info["kv_key_turned_pairs"]) == ("turned", str(CONFIG.head_dim // 2))
-        none = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
+        none = make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
         engines += [turned, none]
         for store, o in zip(turned.kv_cache.stores, key_offsets(*args, CONFIG.head_dim // 2)):
             assert torch.equal(store.key_offset.mean, o.mean) and torch.equal(store.key_offset.sink, o.sink)
             assert store.offset_turns, "the sink at position 0 differs from the mean: the offset turns"
         assert all(s.key_offset is None for s in none.kv_cache.stores), "none: the spec's plain format"
-        fixed = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="fixed",
+        fixed = make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="fixed",
                             kv_key_turned_pairs=5)  # the pair count applies to partial only
         engines.append(fixed)
         for store, o in zip(fixed.kv_cache.stores, key_offsets(*args, 0)):
@@ -181,7 +181,7 @@ def test_a_partial_offset_with_a_bad_pair_count_is_refused_with_the_range():
     for bad in (0, CONFIG.head_dim // 2 + 1):
         with pytest.raises(ValueError, match=rf"--kv-key-turned-pairs must be in 1 \.\. {CONFIG.head_dim // 2} .*"
                                              rf"got {bad}"):
-            make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="partial",
+            make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="partial",
                         kv_key_turned_pairs=bad)
 
 
@@ -218,7 +218,7 @@ def test_a_balanced_engine_gives_its_stores_the_offsets_of_the_keys_the_balanced
     model = tiny_llama(vocab_size=257, hidden_size=64, intermediate_size=64, num_heads=4, num_kv_heads=2,
                        head_dim=64, rope_theta=100.0, max_position_embeddings=512, tie_word_embeddings=True)
     loaded = ToyLoaded(model=model, config=model.config)
-    engine = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3")
+    engine = make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo3")
     try:
         assert all(a.key_scale is not None and a.value_scale is not None for a in model.attentions())
         assert build_info(engine.model_name)["kv_balance"] == "on"
@@ -232,7 +232,7 @@ def test_a_balanced_engine_gives_its_stores_the_offsets_of_the_keys_the_balanced
         assert out.finish_reason == "length" and len(out.token_ids) == 4
     finally:
         engine.shutdown()
-    plain = make_engine(loaded, num_pages=64, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
+    plain = make_engine(loaded, num_pages=1024, max_model_len=128, kv_cache_dtype="turbo3", kv_key_offset="none")
     try:
         assert all(s.key_offset is None for s in plain.kv_cache.stores), "none: the spec's plain format"
         assert all(a.key_scale is not None for a in model.attentions()), "balanced without an offset too"

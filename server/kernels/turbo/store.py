@@ -34,6 +34,7 @@ from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo
+from server.kernels.turbo.recent import RecentWindow, attention_with_recent_reference, recent_values, write_recent
 
 # The decode takes the CUDA C kernel for calls with at least this much work ((sequence, KV head) rows times the
 # planned context), the Triton kernel below it: there the CUDA kernel's fixed costs (per CTA the query's rotation
@@ -73,7 +74,9 @@ class TurboKVStore:
     cuda_graph_safe = True
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, k_kind: str,
-                 v_kind: str, device: torch.device | str, out_dtype: torch.dtype):
+                 v_kind: str, device: torch.device | str, out_dtype: torch.dtype, recent: tuple[int, int] = (0, 0)):
+        """``recent``: (rows, W) of the recent window (recent.py), one row per sequence that may hold pages;
+        (0, 0) keeps none."""
         group_size(head_dim)  # refuses head dims that are not a multiple of 64, with the fix in the message
         if page_size < 1 or num_pages < 1:
             raise ValueError(f"need at least one page of at least one token, got {num_pages} pages of {page_size}")
@@ -90,6 +93,8 @@ class TurboKVStore:
         self.inv_sqrt = inv_sqrt_group(group)
         self.key_offset: KeyOffset | None = None
         self.offset_turns = False  # whether o(p) varies with p (KeyOffset.turns: then attention adds it back)
+        rows, size = recent
+        self.recent = RecentWindow.empty(rows, size, num_kv_heads, head_dim, out_dtype, device) if rows and size else None
 
     @property
     def k(self) -> TurboPages:
@@ -104,11 +109,31 @@ class TurboKVStore:
         return self._v
 
     def _flush(self) -> None:
-        """Store the pending write with the store kernel; a no-op without one."""
+        """Store the pending write's pages; a no-op without one."""
         new, self._pending = self._pending, None
         if new is not None:
+            self._store(new)
+
+    def _store(self, new: NewTokens, recent_rows: torch.Tensor | None = None) -> None:
+        """Quantize a write into its pages; with ``recent_rows`` (a decode step's: token t is sequence t's) the
+        same launch also puts its rows into the recent window."""
+        if use_triton(new.k):
+            recent = {} if recent_rows is None else {"recent": self.recent, "recent_rows": recent_rows}
             store_turbo(new.k, new.v, new.slot_mapping, new.positions, self._k, self._v, self.signs, self.inv_sqrt,
-                        new.key_offset, new.key_offset_turns)
+                        new.key_offset, new.key_offset_turns, **recent)
+            return
+        if recent_rows is not None:
+            raise ValueError("the reference store writes the recent window after attending (recent.write_recent)")
+        keep = new.slot_mapping >= 0  # a negative slot marks a padding token
+        slots = new.slot_mapping[keep].long()
+        page, offset = slots // self.page_size, slots % self.page_size
+        keys = new.k.float()
+        if new.key_offset is not None:
+            keys = keys - key_offset_at(new.key_offset, new.positions)
+        for pages, kind, x in ((self._k, self.k_kind, keys), (self._v, self.v_kind, new.v)):
+            codes, norms = quantize_reference(x[keep], kind)
+            pages.codes[page, :, offset] = codes
+            pages.norms[page, :, offset] = norms
 
     def _fusable(self, q: torch.Tensor, meta: AttentionMetadata) -> NewTokens | None:
         """The pending write for a decode step's Triton decode to store, if it is this step's: one new token per
@@ -173,29 +198,21 @@ class TurboKVStore:
             if t.shape != (k.shape[0],):
                 raise ValueError(f"{name} must have one entry per token ({k.shape[0]}), got {tuple(t.shape)}")
         self._flush()  # writes land in order
-        if use_triton(k):
-            if self.fuse_store:
-                if k.stride(-1) != 1 or v.stride(-1) != 1:
-                    k, v = k.contiguous(), v.contiguous()
-                self._pending = NewTokens(k, v, slot_mapping, positions, self.key_offset, self.offset_turns)
-            else:
-                store_turbo(k, v, slot_mapping, positions, self._k, self._v, self.signs, self.inv_sqrt,
-                            self.key_offset, self.offset_turns)
-            return
-        keep = slot_mapping >= 0  # a negative slot marks a padding token
-        slots = slot_mapping[keep].long()
-        page, offset = slots // self.page_size, slots % self.page_size
-        keys = k.float() if self.key_offset is None else k.float() - key_offset_at(self.key_offset, positions)
-        for pages, kind, x in ((self.k, self.k_kind, keys), (self.v, self.v_kind, v)):
-            codes, norms = quantize_reference(x[keep], kind)
-            pages.codes[page, :, offset] = codes
-            pages.norms[page, :, offset] = norms
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        new = NewTokens(k, v, slot_mapping, positions, self.key_offset, self.offset_turns)
+        if self.recent is not None or (self.fuse_store and use_triton(k)):
+            self._pending = new  # attend stores it (module docstring; recent.py says when the ring is written)
+        else:
+            self._store(new)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
         key_offset = self.key_offset if self.offset_turns else None
+        if self.recent is not None:
+            return self._attend_with_recent(q, meta, scale, key_offset)
         if use_triton(q) and meta.is_decode_only:
             if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:  # where it runs (supports)
                 out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
@@ -206,3 +223,30 @@ class TurboKVStore:
                                            new_tokens=new_tokens)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)
+
+    def _attend_with_recent(self, q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            key_offset: KeyOffset | None) -> torch.Tensor:
+        """Attention that reads each query's last W positions from the recent window (recent.py)."""
+        new, self._pending = self._pending, None
+        if new is None or meta.recent_rows is None:
+            raise ValueError("a turbo store with a recent window attends right after the step's write, and needs "
+                             "meta.recent_rows (each sequence's window row)")
+        if use_triton(q) and meta.is_decode_only:
+            self._store(new, meta.recent_rows)  # the token's pages and window row first: the kernels read both
+            out = None
+            if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:
+                out = decode_attention_cuda(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
+                                            recent=self.recent)
+            if out is None:
+                out = decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
+                                              recent=self.recent)
+            return out
+        # Prefill (or a reference decode): the ring as the step found it, the step's own rows beside it.
+        self._store(new)
+        dtype = self.recent.k.dtype
+        k_rows = recent_values(new.k, new.positions, new.key_offset, dtype)
+        v_rows = recent_values(new.v, new.positions, None, dtype)
+        out = attention_with_recent_reference(q, self._k, self._v, self.k_kind, self.v_kind, self.recent, k_rows,
+                                              v_rows, meta, scale, key_offset)
+        write_recent(self.recent, k_rows, v_rows, meta)
+        return out

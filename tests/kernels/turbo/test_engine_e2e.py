@@ -44,7 +44,7 @@ def loaded():
 
 
 def greedy(loaded, kv_cache_dtype: str, max_tokens: int, **overrides) -> tuple[str, list[int], Engine]:
-    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=8 << 20, max_model_len=256,
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=16 << 20, max_model_len=256,
                           max_num_batched_tokens=64, **overrides)
     engine = Engine(config, loaded=loaded)
     engine.start()
@@ -53,6 +53,7 @@ def greedy(loaded, kv_cache_dtype: str, max_tokens: int, **overrides) -> tuple[s
         out = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         assert out.error is None, out.error
         assert engine.kv_cache.num_free_pages == engine.kv_cache.num_pages, "turbo pages leaked"
+        assert len(engine.kv_cache.free_recent_rows) == engine.kv_cache.recent_rows, "recent-window rows leaked"
         return out.text, out.token_ids, engine
     finally:
         engine.shutdown()
@@ -78,9 +79,10 @@ def test_mixed_turbo4_keys_turbo3_values(loaded):
 
 
 def prose_nlls(loaded, kv_cache_dtype: str, **overrides) -> tuple[torch.Tensor, str]:
-    """Negative log-likelihood of each PROSE token after the first, and the engine's balance label."""
-    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20, max_model_len=1024,
-                          max_num_batched_tokens=512, **overrides)
+    """Negative log-likelihood of each PROSE token after the first, and the engine's balance label. No recent
+    window unless asked: it reads a third of PROSE's keys exactly, which would hide what the pages lose."""
+    overrides = {"kv_recent_window": 0, "max_num_batched_tokens": 512, **overrides}
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20, max_model_len=1024, **overrides)
     engine = Engine(config, loaded=loaded)
     engine.start()
     try:
@@ -108,3 +110,11 @@ def test_the_channel_balance_brings_turbo_closer_to_the_exact_model_and_a_dense_
     assert label == "off", "a dense cache takes out the balance a turbo engine folded in"
     for name, p in loaded.model.named_parameters():
         assert torch.allclose(p, original[name], rtol=1e-5, atol=1e-7), f"{name}: the model as loaded is not back"
+
+
+def test_the_recent_window_brings_turbo3_far_closer_to_the_exact_model(loaded):
+    exact, _ = prose_nlls(loaded, "f32")
+    paged, _ = prose_nlls(loaded, "turbo3")
+    windowed, _ = prose_nlls(loaded, "turbo3", kv_recent_window=128, max_num_batched_tokens=96)  # chunks cut windows
+    error, error_paged = (windowed - exact).abs().mean(), (paged - exact).abs().mean()
+    assert error < 0.5 * error_paged, f"mean |NLL error| {error:.4f} with the window, {error_paged:.4f} without"

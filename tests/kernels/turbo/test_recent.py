@@ -1,0 +1,166 @@
+"""The recent window (server/kernels/turbo/recent.py) through TurboKVStore on the CPU: a query reads its last W
+positions exactly and the rest from the turbo pages, whatever the chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.turbo.format import dequantize_reference, quantize_reference
+from server.kernels.turbo.key_offset import KeyOffset
+from server.kernels.turbo.store import TurboKVStore
+
+PAGE = 4
+
+
+def make_store(kv_heads: int, head_dim: int, window: int, rows: int = 4, pages: int = 64, kinds=("turbo3", "turbo3")):
+    return TurboKVStore(pages, PAGE, kv_heads, head_dim, *kinds, "cpu", torch.float32, recent=(rows, window))
+
+
+def run_steps(store, q, k, v, steps, tables, rows, scale):
+    """Feed sequences through the store step by step. ``steps``: per step, a list of (sequence, n new tokens);
+    q, k, v: per sequence [L, heads, D]. Returns each sequence's outputs, concatenated over its steps."""
+    done = [0] * len(q)
+    outs = [[] for _ in q]
+    for step in steps:
+        seqs = [s for s, _ in step]
+        lens = [n for _, n in step]
+        pos = torch.cat([torch.arange(done[s], done[s] + n) for s, n in step])
+        slots = torch.cat([tables[s][p // PAGE] * PAGE + p % PAGE for s, n in step
+                           for p in [torch.arange(done[s], done[s] + n)]])
+        qs = torch.cat([q[s][done[s] : done[s] + n] for s, n in step])
+        ks = torch.cat([k[s][done[s] : done[s] + n] for s, n in step])
+        vs = torch.cat([v[s][done[s] : done[s] + n] for s, n in step])
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(tables[s])] = tables[s]
+        seq_lens = [done[s] + n for s, n in step]
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+            seq_lens_cpu=seq_lens, query_lens_cpu=lens,
+            recent_rows=torch.tensor([rows[s] for s in seqs], dtype=torch.int32),
+        )  # fmt: skip
+        store.write(ks, vs, slots, pos)
+        out = store.attend(qs, meta, scale)
+        start = 0
+        for s, n in step:
+            outs[s].append(out[start : start + n])
+            start += n
+            done[s] += n
+    return [torch.cat(o) for o in outs]
+
+
+def oracle(q, k, v, kind, window, scale, offset=None):
+    """float64: keys and values j > t - W as written, the rest as the turbo format rounds them (its reference,
+    quantized here on its own, not read back from the store's pages)."""
+    def rounded(x):
+        codes, norms = quantize_reference(x, kind)
+        return dequantize_reference(codes, norms, kind, x.shape[-1]).double()
+
+    shift = 0.0 if offset is None else offset
+    kq, vq = rounded(k - shift) + shift, rounded(v)
+    gqa = q.shape[1] // k.shape[1]
+    n = q.shape[0]
+    t, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    near = (j > t - window) & (j <= t)
+    far = j <= t - window
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(q.shape[1]):
+        kh, g = h // gqa, q[:, h].double()
+        scores = torch.where(near, g @ k[:, kh].double().T, g @ kq[:, kh].T) * scale
+        probs = torch.softmax(scores.masked_fill(~(near | far), float("-inf")), dim=-1)
+        out[:, h] = (probs * near) @ v[:, kh].double() + (probs * far) @ vq[:, kh]
+    return out
+
+
+def shuffled_tables(lengths, pages=64, seed=0):
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    tables, used = [], 0
+    for n in lengths:
+        count = -(-n // PAGE)
+        tables.append(order[used : used + count])
+        used += count
+    return tables
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,gqa", [(64, 1, 1), (64, 2, 3), (128, 1, 4)])
+@pytest.mark.parametrize("window", [1, 5, 8])
+def test_a_query_reads_its_last_w_positions_exactly_and_the_rest_from_pages(head_dim, kv_heads, gqa, window):
+    torch.manual_seed(head_dim + window + gqa)
+    n = 23  # crosses pages of 4 and windows of 5 and 8 at odd places
+    q, k, v = (torch.randn(n, h, head_dim) for h in (kv_heads * gqa, kv_heads, kv_heads))
+    store = make_store(kv_heads, head_dim, window)
+    scale = head_dim**-0.5
+    (out,) = run_steps(store, [q], [k], [v], [[(0, 9)], [(0, 1)], [(0, 6)], [(0, 7)]], shuffled_tables([n]), [2], scale)
+    want = oracle(q, k, v, "turbo3", window, scale)
+    assert (out.double() - want).abs().max() < 1e-4
+
+
+def test_chunking_does_not_change_the_result_and_batches_mix_prefill_with_decode():
+    torch.manual_seed(0)
+    head_dim, kv_heads, gqa, window = 64, 2, 2, 6
+    lengths = [19, 11]
+    q = [torch.randn(n, kv_heads * gqa, head_dim) for n in lengths]
+    k = [torch.randn(n, kv_heads, head_dim) for n in lengths]
+    v = [torch.randn(n, kv_heads, head_dim) for n in lengths]
+    tables = shuffled_tables(lengths)
+    scale = head_dim**-0.5
+    whole = run_steps(make_store(kv_heads, head_dim, window), q, k, v, [[(0, 19), (1, 11)]], tables, [0, 3], scale)
+    steps = [[(0, 10)], [(0, 1), (1, 7)], [(0, 1), (1, 1)], [(1, 3), (0, 7)]]  # prefill beside decode, both ways
+    chunked = run_steps(make_store(kv_heads, head_dim, window), q, k, v, steps, tables, [1, 0], scale)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    decoded = run_steps(make_store(kv_heads, head_dim, window), q, k, v,
+                        [[(0, 1), (1, 1)]] * 11 + [[(0, 1)]] * 8, tables, [2, 1], scale)  # fmt: skip
+    for a, b in zip(whole, decoded):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_a_window_longer_than_the_sequence_reads_everything_exactly():
+    torch.manual_seed(1)
+    n, head_dim = 13, 64
+    q, k, v = torch.randn(n, 2, head_dim), torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim)
+    (out,) = run_steps(make_store(1, head_dim, 16), [q], [k], [v], [[(0, 5)], [(0, 8)]], shuffled_tables([n]), [0], 0.1)
+    scores = torch.einsum("qhd,kd->hqk", q.double(), k[:, 0].double()) * 0.1
+    probs = torch.softmax(scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")), dim=-1)
+    exact = torch.einsum("hqk,kd->qhd", probs, v[:, 0].double())
+    assert (out.double() - exact).abs().max() < 1e-5
+
+
+def test_keys_lose_the_stores_offset_in_the_window_as_in_the_pages():
+    torch.manual_seed(2)
+    n, head_dim, window = 14, 64, 4
+    const = 3 * torch.randn(1, head_dim)
+    offset = KeyOffset(const=const, mean=torch.zeros(1, head_dim), sink=const.clone(),
+                       inv_freq=torch.ones(head_dim // 2), pairs=torch.zeros(1, 0, dtype=torch.int32))  # fmt: skip
+    store = make_store(1, head_dim, window)
+    store.set_key_offset(offset)
+    q, k, v = torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim) + const, torch.randn(n, 1, head_dim)
+    (out,) = run_steps(store, [q], [k], [v], [[(0, 6)], [(0, 1)], [(0, 7)]], shuffled_tables([n]), [3], 0.125)
+    want = oracle(q, k, v, "turbo3", window, 0.125, offset=const)
+    assert (out.double() - want).abs().max() < 1e-4
+
+
+def test_a_long_chunk_leaves_exactly_its_last_w_positions_in_the_ring():
+    torch.manual_seed(3)
+    head_dim, window, n = 64, 5, 17
+    store = make_store(1, head_dim, window, rows=3)
+    q, k, v = torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim)
+    run_steps(store, [q], [k], [v], [[(0, n)]], shuffled_tables([n]), [1], 0.125)
+    from server.kernels.rotation import rotate_reference
+
+    ring = rotate_reference(store.recent.v[1], head_dim, inverse=True)  # [W, 1, D]: position p at p % W
+    for p in range(n - window, n):
+        torch.testing.assert_close(ring[p % window], v[p], rtol=0, atol=1e-5)
+    assert not store.recent.v[0].any() and not store.recent.v[2].any()  # other sequences' rows untouched
+
+
+def test_attend_without_the_steps_write_or_rows_is_refused():
+    store = make_store(1, 64, 4)
+    meta = AttentionMetadata(torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                             torch.tensor([0, 1], dtype=torch.int32), [1], [1])  # fmt: skip
+    with pytest.raises(ValueError, match="recent_rows"):
+        store.attend(torch.randn(1, 1, 64), meta, 1.0)
