@@ -67,6 +67,7 @@ from server.kernels.turbo.codes import lookup_table
 from server.kernels.turbo.format import group_size
 from server.kernels.turbo.key_offset import KeyOffset
 from server.kernels.turbo.quantize import TurboPages
+from server.kernels.turbo.recent import RecentWindow
 
 KERNEL_NAME = "turbo_decode"
 # Warps per CTA: 8 beat 4 (one Q rotation and merge per 8 warps; b8/64K 0.226 vs 0.239 ms, b8/16K 0.073 vs
@@ -102,6 +103,7 @@ typedef unsigned long long u64;
 #define WARPS @WARPS@
 #define MIN_BLOCKS @MIN_BLOCKS@
 #define INT8_KEYS @INT8K@
+#define RECENT @RECENT@  /* a recent window (recent.py): the last ring_size positions from its ring */
 #define K8_TABLE {@K8TABLE@}  /* int8 centroids as PRMT byte tables (int8_table_words) */
 #define K8_UNIT @K8UNIT@      /* what one int8 centroid step is worth (int8_centroids) */
 #define KROW (D * KB / 8)
@@ -247,6 +249,24 @@ struct Step {
   u32 kn[2], vn[2];
 };
 
+#if RECENT
+#if INT8_KEYS
+#error "the recent window's rows need fp16 query fragments: no int8-keys build of it"
+#endif
+
+/* 8 consecutive values of a ring row (16 bytes, in the query's dtype) as 4 fp16 pairs, the mma's operand type:
+   a bf16 ring converts (exact within fp16's range, |x| < 65504); zeros where the token is not read (a masked
+   token's A fragment must be finite: its P column is 0, and 0 times NaN is not) */
+__device__ __forceinline__ void ring_words(const bool read, const u16* p, u32 (&o)[4]) {
+  o[0] = o[1] = o[2] = o[3] = 0u;
+  if (read) ldg4((const u32*)p, o[0], o[1], o[2], o[3]);
+#if Q_BF16
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = pack(bits_f(o[i] << 16), bits_f(o[i] & 0xFFFF0000u));
+#endif
+}
+#endif
+
 /* The index words of one row from 8-value chunk cb on: LO words of the stored indices (turbo3: of its low plane)
    and, for turbo3, the high plane's word after them (format.py) */
 template <int BITS, int LO> __device__ __forceinline__ void load_row(const u32* row, int cb, u32* w) {
@@ -353,7 +373,12 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
              const float* __restrict__ off_sink,
              const float* __restrict__ inv_freq, const int* __restrict__ pairs, int num_pairs,
              float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l,
-             int num_splits, u16* __restrict__ out, int out_stride_t, int out_stride_h, u32* __restrict__ counters) {
+             int num_splits, u16* __restrict__ out, int out_stride_t, int out_stride_h, u32* __restrict__ counters
+#if RECENT
+             , const u16* __restrict__ ring_k, const u16* __restrict__ ring_v, const int* __restrict__ recent_rows,
+             int ring_size, int ring_stride_row, int ring_stride_slot, int ring_stride_head
+#endif
+             ) {
   const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
   const int seq_len = seq_lens[seq];
   const int chunk = split_tokens(seq_len, num_splits);
@@ -366,6 +391,12 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
     return;
   }
   const int end = min(start + chunk, seq_len);
+#if RECENT
+  /* positions from ring_lo on are read from the ring (after the main loop), those below from the pages */
+  const int ring_lo = max(0, seq_len - ring_size), page_end = min(end, ring_lo);
+#else
+  const int page_end = end;
+#endif
   const float qk_scale = (float)qk_scale_d, inv_sqrt = (float)inv_sqrt_d;
 
   /* the queries (raw, then rotated and scaled) and the offset's A and B terms per head and (padded) pair
@@ -382,7 +413,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
   const int* table = tables + (long long)seq * tables_stride;
   const u32 head_rows = (u32)kvh * PS;
 
-  /* Loads tile t0's data of this lane into st (t0 < end). PS % 16 == 0: the tile lies in one page, whose
+  /* Loads tile t0's data of this lane into st (t0 < page_end). PS % 16 == 0: the tile lies in one page, whose
      entry the previous step loaded (page), and the lane's tokens are constant offsets from its first row. */
   auto load_tile = [&](Step& st, int t0, int page) {
 #if PS % 16 == 0
@@ -397,7 +428,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
     const u16* const vnp[2] = {vn0, vn0 + 8 * NG};
 #else
     int tok = t0 + (lane & 15);
-    tok = tok < end ? tok : t0;
+    tok = tok < page_end ? tok : t0;
     const u32 row = (u32)table[tok / PS] * (u32)(h_kv * PS) + head_rows + (u32)(tok % PS);
     const u32 rk[2] = {shfl_idx(row, g), shfl_idx(row, g + 8)};
     const u32 rv[4] = {shfl_idx(row, 2 * t), shfl_idx(row, 2 * t + 1), shfl_idx(row, 2 * t + 8),
@@ -412,7 +443,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
   };
   auto page_of = [&](int t0) -> int {
 #if PS % 16 == 0
-    return t0 < end ? table[t0 / PS] : 0;
+    return t0 < page_end ? table[t0 / PS] : 0;
 #else
     return 0;
 #endif
@@ -421,7 +452,7 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
   /* the first tile's words load while the query is rotated */
   int t0 = start + 16 * warp;
   Step sa, sb;
-  if (t0 < end) load_tile(sa, t0, page_of(t0));
+  if (t0 < page_end) load_tile(sa, t0, page_of(t0));
   int page_next = page_of(t0 + 16 * WARPS);
 
   /* ---- queries: load, offset terms from the unrotated query, rotate (spec "Rotation"), scale ---- */
@@ -536,10 +567,36 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
 #pragma unroll
     for (int s = 0; s < G / 16; ++s) acc[gi][s][0] = acc[gi][s][1] = acc[gi][s][2] = acc[gi][s][3] = 0.0f;
 
-  /* One warp step: scores, softmax and values of tile t0 from the words in cur. */
-  auto compute = [&](const Step& cur, const int t0) {
+  /* One warp step: scores, softmax and values of tile t0's tokens below ``limit`` from the words in cur. With a
+     recent window, the ring pass (``ring``; the constant argument specializes the inlined copy) takes the tile's
+     tokens in [ring_lo, end) instead, cur unread: a token's A fragments are its ring row's values (rotated
+     domain, natural column order as the decoded codes; zeros for the others), its K and V norms 1; the key
+     offset's terms are the same (a ring row holds k - o(p), as a page). A tile that straddles ring_lo runs both
+     passes, each masking the other's tokens: the online softmax takes them as two steps. */
+  auto compute = [&](const Step& cur, const int t0, const int limit, const bool ring) {
     /* ---- scores S^T [16 tokens x 8 heads]: lane holds tokens g, g+8 of heads 2t, 2t+1 ---- */
-    const bool valid0 = t0 + g < end, valid1 = t0 + g + 8 < end;
+    bool valid0 = t0 + g < limit, valid1 = t0 + g + 8 < limit;
+#if RECENT
+    /* the ring pass: which of the lane's tokens it reads (K: g, g+8; V: 2t, 2t+1, 2t+8, 2t+9), at which element
+       offsets of the ring (position p at ring index p % ring_size of the sequence's row) */
+    bool rv[4] = {false, false, false, false};
+    u32 ok[2] = {0u, 0u}, ov[4] = {0u, 0u, 0u, 0u};
+    if (ring) {
+      const int row = recent_rows[seq], slot0 = ring_lo % ring_size;
+      auto at = [&](const int tok, bool& hit, u32& off) {
+        hit = tok >= ring_lo && tok < end;
+        int slot = slot0 + (tok - ring_lo);
+        slot -= slot >= ring_size ? ring_size : 0;
+        off = hit ? (u32)(row * ring_stride_row + slot * ring_stride_slot + kvh * ring_stride_head) : 0u;
+      };
+      at(t0 + g, valid0, ok[0]);
+      at(t0 + g + 8, valid1, ok[1]);
+      at(t0 + 2 * t, rv[0], ov[0]);
+      at(t0 + 2 * t + 1, rv[1], ov[1]);
+      at(t0 + 2 * t + 8, rv[2], ov[2]);
+      at(t0 + 2 * t + 9, rv[3], ov[3]);
+    }
+#endif
     float s[4];
 #if INT8_KEYS
     {
@@ -574,17 +631,33 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
       for (int c = 0; c < KCH; ++c) {
         const u32 cb = gi * (G / 8) + t * KCH + c;
         u32 x0[4], x1[4];
-        lookup<KB>(selector<KB>(cur.k[0][gi][KB == 4 ? c : c / 2], cb, cur.k[0][gi][KW - 1]), lut_k, x0);
-        lookup<KB>(selector<KB>(cur.k[1][gi][KB == 4 ? c : c / 2], cb, cur.k[1][gi][KW - 1]), lut_k, x1);
+#if RECENT
+        if (ring) {
+          ring_words(valid0, ring_k + ok[0] + 8 * cb, x0);
+          ring_words(valid1, ring_k + ok[1] + 8 * cb, x1);
+        } else
+#endif
+        {
+          lookup<KB>(selector<KB>(cur.k[0][gi][KB == 4 ? c : c / 2], cb, cur.k[0][gi][KW - 1]), lut_k, x0);
+          lookup<KB>(selector<KB>(cur.k[1][gi][KB == 4 ? c : c / 2], cb, cur.k[1][gi][KW - 1]), lut_k, x1);
+        }
         mma(sc[gi], x0[0], x1[0], x0[1], x1[1], qb[gi][2 * c][0], qb[gi][2 * c][1]);
         mma(sc[gi], x0[2], x1[2], x0[3], x1[3], qb[gi][2 * c + 1][0], qb[gi][2 * c + 1][1]);
       }
     }
     {
+#if RECENT
+      const float kn0 = ring ? 1.0f : lo_f(cur.kn[0]), kn1 = ring ? 1.0f : lo_f(cur.kn[1]);
+#else
       const float kn0 = lo_f(cur.kn[0]), kn1 = lo_f(cur.kn[1]);
+#endif
       s[0] = sc[0][0] * kn0; s[1] = sc[0][1] * kn0; s[2] = sc[0][2] * kn1; s[3] = sc[0][3] * kn1;
 #if NG == 2
+#if RECENT
+      const float kh0 = ring ? 1.0f : hi_f(cur.kn[0]), kh1 = ring ? 1.0f : hi_f(cur.kn[1]);
+#else
       const float kh0 = hi_f(cur.kn[0]), kh1 = hi_f(cur.kn[1]);
+#endif
       s[0] += sc[1][0] * kh0; s[1] += sc[1][1] * kh0; s[2] += sc[1][2] * kh1; s[3] += sc[1][3] * kh1;
 #endif
     }
@@ -634,8 +707,13 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
     /* ---- O^T [D x 8] += V^T [D x 16] . P^T [16 x 8]; P^T by transposing S^T's two 8x8 halves ---- */
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
+#if RECENT
+      const float vn0 = valid0 ? (ring ? 1.0f : gi == 0 ? lo_f(cur.vn[0]) : hi_f(cur.vn[0])) : 0.0f;
+      const float vn1 = valid1 ? (ring ? 1.0f : gi == 0 ? lo_f(cur.vn[1]) : hi_f(cur.vn[1])) : 0.0f;
+#else
       const float vn0 = valid0 ? (gi == 0 ? lo_f(cur.vn[0]) : hi_f(cur.vn[0])) : 0.0f;
       const float vn1 = valid1 ? (gi == 0 ? lo_f(cur.vn[1]) : hi_f(cur.vn[1])) : 0.0f;
+#endif
       const u32 pb0 = trans8x8(pack(p[0] * vn0, p[1] * vn0));
       const u32 pb1 = trans8x8(pack(p[2] * vn1, p[3] * vn1));
 #pragma unroll
@@ -643,8 +721,13 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
         const u32 cb = gi * (G / 8) + g * VCH + c;
         u32 x[4][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 4; ++i) {
+#if RECENT
+          if (ring) ring_words(rv[i], ring_v + ov[i] + 8 * cb, x[i]);
+          else
+#endif
           lookup<VB>(selector<VB>(cur.v[i][gi][VB == 4 ? c : 0], cb, cur.v[i][gi][VW - 1]), lut_v, x[i]);
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j)  /* m-tile 4c + j: dims 2j, 2j+1 of the chunk; tokens paired per dim */
           mma(acc[gi][4 * c + j], prmt(x[0][j], x[1][j], 0x5410), prmt(x[0][j], x[1][j], 0x7632),
@@ -657,19 +740,27 @@ turbo_decode(const u16* __restrict__ q, int q_stride_t, int q_stride_h, const in
      into page_next; the two Steps swap roles each step (no register copies) */
   auto step = [&](const Step& cur, Step& nxt, const int t0) {
     const int t1 = t0 + 16 * WARPS;
-    if (t1 < end) load_tile(nxt, t1, page_next);
+    if (t1 < page_end) load_tile(nxt, t1, page_next);
     page_next = page_of(t1 + 16 * WARPS);
-    compute(cur, t0);
+    compute(cur, t0, page_end, false);
   };
 #pragma unroll 1
   for (;;) {
-    if (t0 >= end) break;
+    if (t0 >= page_end) break;
     step(sa, sb, t0);
     t0 += 16 * WARPS;
-    if (t0 >= end) break;
+    if (t0 >= page_end) break;
     step(sb, sa, t0);
     t0 += 16 * WARPS;
   }
+#if RECENT
+  /* the ring pass: this warp's tiles that reach ring_lo, after the pages' (the Steps free; a sequence has
+     ring_size / 16 + 1 such tiles at most, over all its warps, so their loads go unhidden) */
+  t0 = start + 16 * warp;
+  if (t0 + 16 <= ring_lo) t0 += ((ring_lo - 16 - t0) / (16 * WARPS) + 1) * (16 * WARPS);
+#pragma unroll 1
+  for (; t0 < end; t0 += 16 * WARPS) compute(sa, t0, end, true);
+#endif
 
   /* ---- merge the warps: per head max, rescale, sum ---- */
 #pragma unroll
@@ -786,13 +877,16 @@ def int8_table_words(bits: int, group: int) -> tuple[int, ...]:
 
 @functools.cache  # one string per specialization: every decode call asks for it (nvrtc's cache keys on it)
 def source(k_bits: int = 3, v_bits: int = 3, head_dim: int = 128, page_size: int = 16, pair_tiles: int = 1,
-           bf16_queries: bool = True, blocks: int = 2, warps: int = 8, int8_keys: bool = False) -> str:
+           bf16_queries: bool = True, blocks: int = 2, warps: int = 8, int8_keys: bool = False,
+           recent: bool = False) -> str:
     """The CUDA C of one specialization (``pair_tiles``: key-offset pairs / 8 rounded up, 0 without an offset;
     ``blocks``: CTAs per SM that __launch_bounds__ asks registers for, min_blocks; ``int8_keys``: scores by
-    int8 mmas, module docstring)."""
+    int8 mmas, module docstring; ``recent``: a recent window's ring beside the pages, ring rows in the queries'
+    dtype; without it the source compiles to the same PTX as before the window existed)."""
     group = group_size(head_dim)
     values = dict(D=head_dim, G=group, KB=k_bits, VB=v_bits, PS=page_size, NPT=pair_tiles,
                   QBF16=int(bf16_queries), WARPS=warps, MIN_BLOCKS=blocks, INT8K=int(int8_keys),
+                  RECENT=int(recent),
                   K8TABLE=", ".join(f"{w:#010x}u" for w in int8_table_words(k_bits, group)),
                   K8UNIT=f"{int8_centroids(k_bits, group)[1]:.9e}f")
     text = _SOURCE
@@ -837,13 +931,22 @@ def min_blocks(k_bits: int, v_bits: int, head_dim: int, pair_tiles: int, warps: 
 
 
 def _kernel(q: torch.Tensor, k_bits: int, v_bits: int, page_size: int, pair_tiles: int, warps: int,
-            blocks: int | None, int8_keys: bool):
+            blocks: int | None, int8_keys: bool, recent: bool):
     head_dim = q.shape[-1]
     if _shared_bytes(head_dim, pair_tiles, warps) > STATIC_SHARED:
         return None  # e.g. 8 warps at D = 256: their outputs alone need 64 KB
     blocks = blocks or min_blocks(k_bits, v_bits, head_dim, pair_tiles, warps)
     return nvrtc.cuda_kernel(source(k_bits, v_bits, head_dim, page_size, pair_tiles, q.dtype == torch.bfloat16,
-                                    blocks, warps, int8_keys), KERNEL_NAME, q.device)
+                                    blocks, warps, int8_keys, recent), KERNEL_NAME, q.device)
+
+
+def supports_recent(q: torch.Tensor, recent: RecentWindow) -> bool:
+    """Whether the kernel reads this ring: rows in the queries' dtype (the build's), K and V alike, 16-byte aligned
+    rows of 8-value chunks (one 16-byte load each), element offsets within int32."""
+    k, v = recent.k, recent.v
+    return (k.dtype == v.dtype == q.dtype and k.shape == v.shape and k.stride() == v.stride()
+            and k.shape[-1] == q.shape[-1] and k.stride(-1) == 1 and all(st % 8 == 0 for st in k.stride()[:-1])
+            and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0 and k.numel() < 2**31)
 
 
 def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device, warps: int = WARPS) -> int:
@@ -871,14 +974,25 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
                           scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                           key_offset: KeyOffset | None = None, num_splits: int | None = None,
                           warps: int | None = None, blocks: int | None = None,
-                          int8_keys: bool | None = None) -> torch.Tensor | None:
+                          int8_keys: bool | None = None, recent: RecentWindow | None = None) -> torch.Tensor | None:
     """attention.decode_attention_triton's contract on the CUDA C kernel; None where it cannot run (the
-    caller takes the Triton kernel): ``supports`` says no, or NVRTC is missing or refuses the source.
+    caller takes the Triton kernel): ``supports`` (or, with a window, ``supports_recent``) says no, or NVRTC is
+    missing or refuses the source.
 
+    ``recent``: the recent window (recent.py), written with this step's token; sequence s reads positions
+    seq_len - W and on from its ring row meta.recent_rows[s], the rest from the pages.
     Launch settings for tests and the benchmark's sweep: ``warps`` per CTA (None: default_warps), ``blocks``:
-    CTAs per SM to fit in registers (None: min_blocks), ``int8_keys``: the scores' build (None: INT8_KEYS)."""
+    CTAs per SM to fit in registers (None: min_blocks), ``int8_keys``: the scores' build (None: INT8_KEYS; with
+    a window the fp16 build, and an explicit True is None: the ring rows need fp16 query fragments)."""
     if not supports(q, k_pages, v_pages, key_offset):
         return None
+    if recent is not None:
+        if meta.recent_rows is None:
+            raise ValueError("decode_attention_cuda: a recent window needs meta.recent_rows (each sequence's ring "
+                             "row, [num_seqs] int32); the runtime hands them out with the pages")
+        if int8_keys or not supports_recent(q, recent):
+            return None
+        int8_keys = False
     num_seqs, q_heads, head_dim = q.shape
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
     pairs = 0 if key_offset is None else key_offset.pairs.shape[1]
@@ -886,7 +1000,7 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
     pair_tiles = 0 if key_offset is None else max(1, -(-pairs // 8))
     warps = warps or default_warps(head_dim, pair_tiles)
     kernel = _kernel(q, k_pages.bits, v_pages.bits, page_size, pair_tiles, warps, blocks,
-                     INT8_KEYS if int8_keys is None else int8_keys)
+                     INT8_KEYS if int8_keys is None else int8_keys, recent is not None)
     if kernel is None:
         return None
     out = torch.empty_like(q)
@@ -902,6 +1016,7 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
     empty = _empty(q.device)
     offset = (empty, empty, empty, empty, meta.seq_lens) if key_offset is None else (
         key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq, key_offset.pairs)
+    ring = () if recent is None else (recent.k, recent.v, meta.recent_rows, recent.size, *recent.k.stride()[:3])
     with timed("turbo_decode_attention", q.device):
         kernel(grid=(num_seqs, kv_heads, num_splits), block=(warps * 32, 1, 1), args=[
             q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -909,7 +1024,7 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], float(inv_sqrt),
             float(scale * attention.LOG2E), *offset, pairs, part_acc, part_m, part_l, num_splits,
-            out, out.stride(0), out.stride(1), _split_counters(q.device, num_seqs * kv_heads)])
+            out, out.stride(0), out.stride(1), _split_counters(q.device, num_seqs * kv_heads), *ring])
     return out
 
 

@@ -17,8 +17,8 @@ import dataclasses
 import pytest
 import torch
 from test_attention import attention64, decode64, oracle, scenario
-from test_decode_key_offset import decode_case
-from test_key_offset import represented_keys
+from test_decode_key_offset import decode_case, offset_for
+from test_key_offset import offset64, represented_keys, rope_keys
 from turbo_oracle import rotation_matrix64, shuffled_tables, slots_of
 
 from server.kernels.paged_kv import AttentionMetadata
@@ -30,6 +30,11 @@ from server.kernels.turbo.attention import (
 )
 from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import group_size, quantize_reference, unpack_indices
+from server.kernels.turbo.recent import (
+    RecentWindow,
+    attention_with_recent_reference,
+    recent_values,
+)
 from server.kernels.turbo.store import TurboKVStore
 
 needs_gpu = pytest.mark.gpu  # NVRTC compiles the kernel on an NVIDIA GPU: tests/conftest.py skips it elsewhere
@@ -376,3 +381,196 @@ def test_int8_key_scores_error_follows_the_rounding_analysis(kind):
     assert 0.8 < measured / predicted < 1.25, f"measured rms {measured:.4g} vs predicted {predicted:.4g}"
     turbo = (q @ keys.T - exact).pow(2).mean().sqrt().item()
     assert turbo > 10 * measured, f"turbo's own logit error {turbo:.4g} vs int8's {measured:.4g}"
+
+
+# ---- the recent window (recent.py): the last W positions from the ring, the rest from the pages ----
+
+
+def recent_case(seq_lens, size, kv_heads, gqa, head_dim, k_kind, v_kind, dtype, page_size=16, turned_pairs=0,
+                seed=0):
+    """(store, ring, decode metadata, queries): keys like real ones (rope_keys) in shuffled pages, each sequence's
+    last ``size`` positions also in its ring row (shuffled rows; recent_values, in ``dtype``), the rows' unused
+    slots NaN and the pages' norms of the ring's positions 2^14 (reading either shows); ``turned_pairs``: 0 no key
+    offset, None all pairs turned, P partial on P pairs. ``q`` float32 (the kernel's dtype rounds it)."""
+    gen = torch.Generator().manual_seed(seed)
+    offset = offset_for(kv_heads, head_dim, 10000.0, seed, None if turned_pairs is None else turned_pairs or 1)
+    tables, num_pages = shuffled_tables(seq_lens, page_size, gen)
+    store = TurboKVStore(num_pages, page_size, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
+    if turned_pairs != 0:
+        store.set_key_offset(offset)
+    key_offset = store.key_offset if store.offset_turns else None
+    ring = RecentWindow.empty(len(seq_lens) + 2, size, kv_heads, head_dim, dtype, "cpu")
+    ring.k.fill_(float("nan"))
+    ring.v.fill_(float("nan"))
+    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[: len(seq_lens)].to(torch.int32)
+    for s, n in enumerate(seq_lens):
+        k, positions = rope_keys(n, kv_heads, head_dim, offset, gen)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen)
+        slots = slots_of(tables[s], positions, page_size)
+        store.write(k, v, slots, positions)
+        near = positions[max(0, n - size):]
+        ring.k[rows[s], near % size] = recent_values(k[near], near, key_offset, dtype)
+        ring.v[rows[s], near % size] = recent_values(v[near], near, None, dtype)
+        for pages in (store.k, store.v):
+            pages.norms[slots[near] // page_size, :, slots[near] % page_size] = 2.0**14
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.arange(len(seq_lens) + 1, dtype=torch.int32), list(seq_lens), [1] * len(seq_lens),
+                             rows)
+    q = torch.randn(len(seq_lens), kv_heads * gqa, head_dim, generator=gen)
+    return store, ring, meta, q
+
+
+def recent_oracle(q64, store, ring, meta, scale):
+    """Float64 attention with the window: position j of a sequence of n reads its ring row's values (rotated back
+    with the explicit matrix, plus o(j)) when j >= n - W, its decoded pages (plus o(j)) below; zeros for n = 0."""
+    head_dim, size, page = store.head_dim, ring.size, store.page_size
+    group, kv_heads = group_size(head_dim), store.num_kv_heads
+    r = rotation_matrix64(group)
+    paged_k, paged_v = decode64(store.k, head_dim), decode64(store.v, head_dim)
+    out = torch.zeros(q64.shape, dtype=torch.float64)
+    for s, n in enumerate(meta.seq_lens_cpu):
+        if n == 0:
+            continue
+        positions = torch.arange(n)
+        pages, rows = meta.block_tables[s, positions // page].long(), positions % page
+        k, v = paged_k[pages, rows].clone(), paged_v[pages, rows].clone()  # [n, kv_heads, D]
+        near = positions >= n - size
+
+        def exact(x):  # ring rows [m, kv_heads, D] back from the rotated domain
+            return (x.double().reshape(*x.shape[:-1], head_dim // group, group) @ r).reshape(x.shape)
+
+        row = int(meta.recent_rows[s])
+        k[near] = exact(ring.k[row, positions[near] % size])
+        v[near] = exact(ring.v[row, positions[near] % size])
+        if store.offset_turns:
+            k = k + offset64(store.key_offset, positions)
+        gqa = q64.shape[1] // kv_heads
+        scores = torch.einsum("hd,khd->hk", q64[s], k.repeat_interleave(gqa, 1)) * scale
+        out[s] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v.repeat_interleave(gqa, 1))
+    return out
+
+
+def recent_on_gpu(ring, meta):
+    return (RecentWindow(ring.k.to(GPU), ring.v.to(GPU)),
+            dataclasses.replace(meta, recent_rows=meta.recent_rows.to(GPU)))
+
+
+def float32_reference(q, store, ring, meta, scale):
+    """recent.attention_with_recent_reference (the window's definition) on the CPU store; rows of seq_len 0 (no
+    query there) zero. The step's own rows: the ring's, as a decode step writes its token before attending."""
+    live = [n > 0 for n in meta.seq_lens_cpu]
+    step_k = torch.stack([ring.k[int(r), (n - 1) % ring.size] for r, n in zip(meta.recent_rows, meta.seq_lens_cpu)])
+    step_v = torch.stack([ring.v[int(r), (n - 1) % ring.size] for r, n in zip(meta.recent_rows, meta.seq_lens_cpu)])
+    keep = torch.tensor(live)
+    live_meta = AttentionMetadata(meta.slot_mapping, meta.block_tables[keep], meta.seq_lens[keep],
+                                  torch.arange(sum(live) + 1, dtype=torch.int32),
+                                  [n for n in meta.seq_lens_cpu if n], [1] * sum(live), meta.recent_rows[keep])
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    out[keep] = attention_with_recent_reference(
+        q[keep], store.k, store.v, store.k_kind, store.v_kind, ring, step_k[keep], step_v[keep], live_meta, scale,
+        store.key_offset if store.offset_turns else None).double()
+    return out
+
+
+def window_lengths(size):
+    """A padding row, one and two tokens, around the window's edge, and many tiles (several splits)."""
+    return sorted({0, 1, 2, max(size - 1, 1), size, size + 1, 1000})
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "head_dim,gqa,k_kind,v_kind,size,turned_pairs,dtype,page_size",
+    [(64, 1, "turbo3", "turbo3", 1, 0, torch.float16, 16), (64, 8, "turbo2", "turbo4", 5, 5, torch.float16, 16),
+     (128, 4, "turbo3", "turbo3", 128, 8, torch.bfloat16, 16),
+     (128, 2, "turbo4", "turbo3", 16, None, torch.float16, 16),
+     (128, 3, "turbo3", "turbo2", 17, 0, torch.bfloat16, 5), (128, 8, "turbo2", "turbo2", 128, 0, torch.float16, 32),
+     (256, 4, "turbo4", "turbo2", 17, 8, torch.float16, 16), (256, 1, "turbo3", "turbo3", 5, 0, torch.bfloat16, 16),
+     (64, 5, "turbo4", "turbo4", 16, None, torch.float16, 17), (128, 6, "turbo3", "turbo4", 1, 1, torch.float16, 16),
+     (128, 7, "turbo4", "turbo4", 128, 12, torch.float16, 48)],
+)
+def test_cuda_decode_with_recent_window_matches_float64(head_dim, gqa, k_kind, v_kind, size, turned_pairs, dtype,
+                                                        page_size):
+    """W = 1, 5, 16, 17, 128 (ring edges mid-tile and on tile boundaries), lengths 0 (padding), 1, 2, W - 1, W,
+    W + 1, 1000; 1, 3, 9 splits (at 9, 128-token splits: W = 128's edge falls in one split and the window spans
+    the next) and the rule; no / partial (1, 5, 8, 12 pairs) / turned key offsets; fp16 and bf16 queries and
+    rings; page sizes with and without whole tiles. fp16: Q's and P's rounding (3e-3 of the output's scale, as the
+    pages); bf16: its output rounding (1.5e-2)."""
+    lengths = window_lengths(size)
+    store, ring, meta, q = recent_case(lengths, size, 2, gqa, head_dim, k_kind, v_kind, dtype, page_size,
+                                       turned_pairs, seed=head_dim + gqa + size)
+    scale = head_dim**-0.5
+    q64 = q.to(dtype).double()
+    want = recent_oracle(q64, store, ring, meta, scale)
+    reference = float32_reference(q.to(dtype).float(), store, ring, meta, scale)
+    tol = 3e-3 if dtype == torch.float16 else 1.5e-2
+    assert_close(reference, want, 1e-4, "attention_with_recent_reference vs the float64 oracle")
+    k, v, offset, gmeta, gq, signs = on_gpu(store, meta, q, dtype)
+    gring, gmeta = recent_on_gpu(ring, gmeta)
+    for splits in (1, 3, 9, None):
+        out = attention_cuda.decode_attention_cuda(gq, k, v, gmeta, scale, signs, store.inv_sqrt, offset,
+                                                   num_splits=splits, recent=gring)
+        assert out is not None, "the CUDA kernel refused a supported call with a recent window"
+        assert not attention_cuda._COUNTERS[GPU].any(), "the last CTA of each row must leave its split counter at 0"
+        got = out.double().cpu()
+        assert torch.isfinite(got).all(), f"{splits} splits: non-finite output (a NaN ring slot or poisoned page read)"
+        assert got[lengths.index(0)].eq(0).all(), "a seq_len-0 row must come out zero"
+        assert_close(got, want, tol, f"CUDA decode with W={size}, {splits} splits, vs float64")
+        assert_close(got, reference, tol, f"CUDA decode with W={size}, {splits} splits, vs the float32 reference")
+
+
+@needs_gpu
+def test_cuda_decode_with_recent_window_replays_in_a_cuda_graph_at_other_lengths():
+    """Captured once, replayed after the lengths and ring rows change in place: the same as eager, and as the
+    oracle; a row that became seq_len 0 comes out zero."""
+    store, ring, meta, q = recent_case([1000, 45, 3], 32, 2, 4, 128, "turbo3", "turbo3", torch.bfloat16,
+                                       turned_pairs=8, seed=11)
+    k, v, offset, meta, gq, signs = on_gpu(store, meta, q, torch.bfloat16)
+    gring, meta = recent_on_gpu(ring, meta)
+    hinted = dataclasses.replace(meta, seq_lens=meta.seq_lens.clone(), recent_rows=meta.recent_rows.clone(),
+                                 seq_lens_cpu=[1000] * 3)
+
+    def decode():
+        return attention_cuda.decode_attention_cuda(gq, k, v, hinted, 128**-0.5, signs, store.inv_sqrt, offset,
+                                                    recent=gring)
+
+    decode()  # compiles, and warms the caches a capture only reads
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    lengths, rows = [700, 0, 3], [int(r) for r in meta.recent_rows]
+    hinted.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+    # sequence 0 now 700 long: its ring must hold positions 668..699 (as the runtime's writes would leave it)
+    positions = torch.arange(700 - 32, 700)
+    gen = torch.Generator().manual_seed(12)
+    ring.k[rows[0], positions % 32] = torch.randn(32, 2, 128, generator=gen).bfloat16()
+    ring.v[rows[0], positions % 32] = torch.randn(32, 2, 128, generator=gen).bfloat16()
+    gring.k.copy_(ring.k)
+    gring.v.copy_(ring.v)
+    graph.replay()
+    eager_meta = dataclasses.replace(hinted, seq_lens_cpu=lengths)
+    eager = attention_cuda.decode_attention_cuda(gq, k, v, eager_meta, 128**-0.5, signs, store.inv_sqrt, offset,
+                                                 recent=gring)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from eager at the new lengths"
+    assert out[1].eq(0).all(), "a seq_len-0 row must come out zero"
+    cpu_meta = dataclasses.replace(eager_meta, block_tables=eager_meta.block_tables.cpu(),
+                                   recent_rows=eager_meta.recent_rows.cpu())
+    want = recent_oracle(q.bfloat16().double(), store, ring, cpu_meta, 128**-0.5)
+    assert_close(out.double().cpu(), want, 1.5e-2, "graph replay with a recent window vs float64")
+
+
+@needs_gpu
+def test_recent_window_calls_the_kernel_cannot_take_fall_back():
+    """The int8-keys build (asked for explicitly) and a ring of another dtype than the queries: None (Triton
+    serves); a window without ring rows in the metadata: a clear error."""
+    store, ring, meta, q = recent_case([40, 3], 8, 2, 4, 64, "turbo3", "turbo3", torch.float16, seed=13)
+    k, v, _, gmeta, gq, signs = on_gpu(store, meta, q, torch.float16)
+    gring, gmeta = recent_on_gpu(ring, gmeta)
+    args = (gq, k, v, gmeta, 0.125, signs, store.inv_sqrt)
+    assert attention_cuda.decode_attention_cuda(*args, int8_keys=True, recent=gring) is None
+    other = RecentWindow(gring.k.bfloat16(), gring.v.bfloat16())
+    assert attention_cuda.decode_attention_cuda(*args, recent=other) is None, "a bf16 ring with fp16 queries"
+    no_rows = dataclasses.replace(gmeta, recent_rows=None)
+    with pytest.raises(ValueError, match="recent_rows"):
+        attention_cuda.decode_attention_cuda(gq, k, v, no_rows, 0.125, signs, store.inv_sqrt, recent=gring)
