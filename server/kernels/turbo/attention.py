@@ -19,6 +19,9 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     constant [BLOCK, 2P] table of the in-tile angles gives the tile's bias (fp16 operands on the
     GPU, fp32 "ieee" otherwise), and position 0 gets <q, sink - const - mean> more; OFFSET=False
     compiles today's kernel unchanged (layout_change.md "Fused decode");
+  * with a recent window (recent.py) each split reads the positions below seq_len - W from the pages and
+    the rest from the ring, exact rows already rotated (rotate(k - o(p)), rotate(v)) in the model's dtype,
+    through the same score / softmax / accumulate step (no norms); RECENT=False compiles the kernel without it;
   * a second small kernel, one program per (sequence, query head), merges the splits
     (log-sum-exp) and applies the one inverse rotation per output.
 
@@ -38,13 +41,15 @@ import triton.language as tl
 
 from server.kernels.backend import inline_ptx, multiprocessors, use_triton
 from server.kernels.dense_attention import paged_attention as dense_paged_attention
+from server.kernels.dense_attention import paged_prefill
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
 from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
-from server.kernels.turbo.quantize import TurboPages, quantize_rows
+from server.kernels.turbo.quantize import TurboPages, quantize_rows, recent_arguments
+from server.kernels.turbo.recent import RecentWindow, exact_pages
 from server.kernels.turbo.sincos import sincos
 
 LOG2E = 1.4426950408889634
@@ -263,18 +268,68 @@ def _split_tokens(seq_len, num_splits, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _tile_scores(k, q, BLOCK: tl.constexpr, GQA_PAD: tl.constexpr, H: tl.constexpr):
+    """[H, BLOCK]: <q, k> of the program's heads with a tile's keys [BLOCK, D] (q pre-scaled, both rotated).
+
+    The decoded tile sits on the mma's row side (K @ Q^T, and V^T @ P^T in _accumulate): with 64+ rows
+    sm_90 gets wgmma straight from shared memory instead of mma.sync fragments (SASS main loop
+    1670 -> 1439 instructions at 64 tokens / 4 warps)."""
+    return tl.trans(_real_columns(tl.dot(k, tl.trans(q)), BLOCK, GQA_PAD, H))
+
+
+@triton.jit
+def _offset_scores(scores, t0, table, turned, sink_extra, BLOCK: tl.constexpr, GQA_PAD: tl.constexpr,
+                   H: tl.constexpr, F16: tl.constexpr):
+    """scores plus <q, o(p) - const> of the tile's positions t0 .. t0 + BLOCK (the keys lost o(p), key_offset.py):
+    the bias dot of the turned (A, B) with the in-tile angle table, and the sink's extra score at position 0."""
+    bias = tl.dot(table, turned, input_precision="tf32" if F16 else "ieee")  # fp32: exact "ieee"
+    scores += tl.trans(_real_columns(bias, BLOCK, GQA_PAD, H))
+    return scores + tl.where((t0 + tl.arange(0, BLOCK) == 0)[None, :], sink_extra[:, None], 0.0)
+
+
+@triton.jit
+def _softmax_step(scores, valid, m, l):
+    """The online softmax over one tile (scores [H, BLOCK] in log2 units, valid [BLOCK]): (p, alpha, m_new, l),
+    p = 2^(s - m_new) per key, alpha the factor that rescales what was accumulated under m."""
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l * alpha[:, None] + p
+
+
+@triton.jit
+def _accumulate(acc_t, alpha, p, v, D: tl.constexpr, GQA_PAD: tl.constexpr, H: tl.constexpr):
+    """acc_t [D, H] rescaled by alpha plus V^T P for the tile's values v [BLOCK, D] and probabilities p, the mma
+    operand [BLOCK, GQA_PAD] (_padded_columns of the softmax's p in the operand type)."""
+    return acc_t * alpha[None, :] + _real_columns(tl.dot(tl.trans(v), p), D, GQA_PAD, H)
+
+
+@triton.jit
+def _ring_tile(ring_ptr, ring_row, tok, valid, window, kv_head, H_KV: tl.constexpr, D: tl.constexpr,
+               OP: tl.constexpr, ROWS: tl.constexpr, ORDER: tl.constexpr):
+    """The recent window's rows of positions tok [ROWS] as mma operands [ROWS, D]: index tok % W of the
+    sequence's ring row (recent.py), already rotated and exact, in the decoded tiles' column order."""
+    at = ((ring_row * window + tok % window) * H_KV + kv_head) * D
+    x = tl.load(ring_ptr + at[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    return _permute_columns(x.to(OP), ROWS, D, ORDER)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
                    inv_sqrt, qk_scale, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, pairs_ptr, part_acc_ptr,
                    part_m_ptr, part_l_ptr, num_splits, new_k_ptr, new_k_stride_t, new_k_stride_h, new_v_ptr,
                    new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, k_mid, k_cent, v_mid, v_cent,
-                   H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   recent_k_ptr, recent_v_ptr, recent_rows_ptr, window, H_KV: tl.constexpr, GQA: tl.constexpr, GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                    K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
-                   P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr):
+                   P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr,
+                   RECENT: tl.constexpr):
     # STORE: the step's new K and V (NewTokens) are quantized here, not by a store launch before; STORE_OFFSET is
     # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET).
+    # RECENT: positions j >= seq_len - window come from the recent window's ring (recent.py), not the pages.
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -296,12 +351,12 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                 new_row = q_row * H_KV + kv_head  # row of the new k, v: the step's token q_row, this KV head
                 quantize_rows(new_k_ptr, new_k_stride_t, new_k_stride_h, new_slot_ptr, new_pos_ptr, k_codes, k_norms,
                               k_mid, k_cent, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr,
-                              inv_sqrt, new_row + 1, new_row, 1, H_KV, PAGE_SIZE, 1, D, G, LOG2_G, K_BITS,
-                              STORE_OFFSET, 1, ASM)
+                              inv_sqrt, new_row + 1, new_row, 1, new_k_ptr, new_slot_ptr, 1, H_KV, PAGE_SIZE, 1,
+                              D, G, LOG2_G, K_BITS, STORE_OFFSET, 1, ASM, False)
                 quantize_rows(new_v_ptr, new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, v_codes, v_norms,
                               v_mid, v_cent, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr,
-                              inv_sqrt, new_row + 1, new_row, 1, H_KV, PAGE_SIZE, 1, D, G, LOG2_G, V_BITS, "none", 1,
-                              ASM)
+                              inv_sqrt, new_row + 1, new_row, 1, new_v_ptr, new_slot_ptr, 1, H_KV, PAGE_SIZE, 1,
+                              D, G, LOG2_G, V_BITS, "none", 1, ASM, False)
                 tl.debug_barrier()  # a CTA barrier orders its threads' global stores before their loads below
         if OFFSET:  # the pages hold k - o(p): scores get <q, o(p) - const> back (key_offset.py)
             x, y, sink_extra = _offset_terms(q_ptr, q_row, q_stride_t, q_stride_h, kv_head, const_ptr, mean_ptr,
@@ -316,40 +371,48 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         m = tl.full((H,), float("-inf"), tl.float32)
         l = tl.zeros((H, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
         acc_t = tl.zeros((D, H), tl.float32)
+        paged_end = end
+        if RECENT:  # the pages serve [start, seq_len - window), the ring the rest of the split
+            paged_end = tl.minimum(end, seq_len - window)
         # Norms are 2-byte loads, too narrow for the pipeliner's cp.async: load each block's one
         # step ahead (with its page-table entries) so their latency hides behind a whole step.
-        valid, row, k_norm, v_norm = _block_rows(start, end, seq, kv_head, tables_ptr, tables_stride, k_norms,
+        valid, row, k_norm, v_norm = _block_rows(start, paged_end, seq, kv_head, tables_ptr, tables_stride, k_norms,
                                                  v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
-        for t0 in range(start, end, BLOCK):
+        for t0 in range(start, paged_end, BLOCK):
             valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
-                t0 + BLOCK, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
+                t0 + BLOCK, paged_end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG,
+                BLOCK)
             if OFFSET:  # before the K tile: both dots' operands then share one barrier (550 -> 532 per step)
                 turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
             k = _tile(k_codes, row, valid, k_norm, k_table, k_poly, BLOCK, D, G, K_BITS, F16, ASM, K_ORDER)
-            # Both dots put the decoded tile on the mma's row side (K @ Q^T, V^T @ P^T): with 64+
-            # rows sm_90 gets wgmma straight from shared memory instead of mma.sync fragments
-            # (SASS main loop 1670 -> 1439 instructions at 64 tokens / 4 warps).
-            scores = tl.trans(_real_columns(tl.dot(k, tl.trans(q)), BLOCK, GQA_PAD, H))
+            scores = _tile_scores(k, q, BLOCK, GQA_PAD, H)
             if NG == 1:
                 scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
             if OFFSET:
-                bias = tl.dot(table, turned, input_precision="tf32" if F16 else "ieee")  # fp32: exact "ieee"
-                scores += tl.trans(_real_columns(bias, BLOCK, GQA_PAD, H))
-                scores += tl.where((t0 + tl.arange(0, BLOCK) == 0)[None, :], sink_extra[:, None], 0.0)
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha[:, None] + p
+                scores = _offset_scores(scores, t0, table, turned, sink_extra, BLOCK, GQA_PAD, H, F16)
+            p, alpha, m, l = _softmax_step(scores, valid, m, l)
             if NG == 1:  # fold the value norms into the probabilities
                 p = p * tl.reshape(v_norm, (BLOCK,))[None, :]
-            p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)
-
+            p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)  # before the V tile: the sm_90 code stays the same
             v = _tile(v_codes, row, valid, v_norm, v_table, v_poly, BLOCK, D, G, V_BITS, F16, ASM, V_ORDER)
-            acc_t = acc_t * alpha[None, :] + _real_columns(tl.dot(tl.trans(v), p), D, GQA_PAD, H)
-            m = m_new
+            acc_t = _accumulate(acc_t, alpha, p, v, D, GQA_PAD, H)
             valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
+
+        if RECENT:  # the same step over exact rows: the ring holds rotate(k - o(p)) like the pages, and no norms
+            ring_row = tl.load(recent_rows_ptr + seq).to(tl.int64)
+            for t0 in range(tl.maximum(start, seq_len - window), end, BLOCK):
+                tok = t0 + tl.arange(0, BLOCK)
+                valid = tok < end
+                if OFFSET:
+                    turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
+                k = _ring_tile(recent_k_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP, BLOCK, K_ORDER)
+                scores = _tile_scores(k, q, BLOCK, GQA_PAD, H)
+                if OFFSET:
+                    scores = _offset_scores(scores, t0, table, turned, sink_extra, BLOCK, GQA_PAD, H, F16)
+                p, alpha, m, l = _softmax_step(scores, valid, m, l)
+                p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)
+                v = _ring_tile(recent_v_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP, BLOCK, V_ORDER)
+                acc_t = _accumulate(acc_t, alpha, p, v, D, GQA_PAD, H)
 
         acc = _permute_columns(tl.trans(acc_t), H, D, V_UNDO)  # back from V's column order
         h = tl.arange(0, H)
@@ -466,20 +529,26 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
                             num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
                             num_stages: int | None = NUM_STAGES,
                             column_order: dict[tuple[int, int], tuple[int, ...]] = COLUMN_ORDER,
-                            new_tokens: NewTokens | None = None) -> torch.Tensor:
+                            new_tokens: NewTokens | None = None, recent: RecentWindow | None = None) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
     ``key_offset``: the o(p) the K pages lost (key_offset.py; float32 contiguous tensors), added back
     as <q, o(p)> in the scores; None compiles the plain kernel. ``new_tokens``: the step's K and V, not yet
     stored; the program whose split holds position seq_len - 1 quantizes them into their slots (as
     quantize.store_turbo_triton would) before it reads its pages, which saves the store's launch on a decode
-    step's critical path. ``num_splits`` and the launch settings exist for tests and the benchmark's sweep.
+    step's critical path. ``recent``: the recent window (recent.py), its ring already holding the step's token
+    (store_turbo's recent): sequence s reads positions j >= seq_len - W from ring row meta.recent_rows[s] and
+    the rest from the pages; None compiles the kernel without it. ``num_splits`` and the launch settings exist
+    for tests and the benchmark's sweep.
     """
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
     gqa = q_heads // kv_heads
     group = group_size(head_dim)
     out = torch.empty_like(q)
+    if new_tokens is not None and recent is not None:
+        raise ValueError("the fused store (new_tokens) does not write the recent window: store the step's tokens "
+                         "with store_turbo(..., recent=...) first and pass new_tokens=None")
     if num_seqs == 0:
         return out
     if num_splits is None:
@@ -493,6 +562,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     padded_pairs = max(8, triton.next_power_of_2(pairs))  # the bias dot's K = 2 PP: at least 16
     shape = dict(H_KV=kv_heads, GQA=gqa, GQA_PAD=gqa_pad, D=head_dim, G=group, LOG2_G=group.bit_length() - 1)
     new = _new_token_arguments(new_tokens, q, key_offset, k_pages, v_pages, part_m, meta.seq_lens)
+    ring = recent_arguments(recent, meta.recent_rows, "meta.recent_rows", num_seqs, kv_heads, head_dim, part_m,
+                            meta.seq_lens)
     store_offset = None if new_tokens is None else new_tokens.key_offset
     offset = key_offset if key_offset is not None else store_offset  # the same one where both are given
     with timed("turbo_decode_attention", q.device):
@@ -504,9 +575,9 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             scale * LOG2E, *((part_m,) * 4 if offset is None else  # never read without OFFSET or STORE_OFFSET
                              (offset.const, offset.mean, offset.sink, offset.inv_freq)),
             meta.seq_lens if key_offset is None else key_offset.pairs,  # never read without OFFSET
-            part_acc, part_m, part_l, num_splits, *new, OFFSET=key_offset is not None, P=pairs, PP=padded_pairs,
-            STORE=new_tokens is not None, STORE_OFFSET="none" if store_offset is None else
-            ("turned" if new_tokens.key_offset_turns else "fixed"),
+            part_acc, part_m, part_l, num_splits, *new, *ring, OFFSET=key_offset is not None, P=pairs,
+            PP=padded_pairs, STORE=new_tokens is not None, STORE_OFFSET="none" if store_offset is None else
+            ("turned" if new_tokens.key_offset_turns else "fixed"), RECENT=recent is not None,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),
@@ -532,8 +603,12 @@ def decoded_pages(pages: TurboPages, kind: str, page_ids: torch.Tensor, head_dim
 def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, k_kind: str,
                                  v_kind: str, meta: AttentionMetadata, scale: float,
                                  key_offset: KeyOffset | None = None, fast: bool | None = None,
-                                 page_dtype: torch.dtype | None = None) -> torch.Tensor:
+                                 page_dtype: torch.dtype | None = None,
+                                 recent: tuple[RecentWindow, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend.
+
+    ``recent``: (the recent window as the step found it, the step's own rows: recent.recent_values of its k and
+    v); each query then reads its last W positions exactly (recent.py), fast path only.
 
     ``key_offset``: what the K pages lost before quantizing (key_offset.py); each decoded key gets
     o(p) of its position p (= its block-table index * page_size + its row) back.
@@ -562,6 +637,13 @@ def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: 
     v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
     compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
                                      meta.seq_lens_cpu, meta.query_lens_cpu)
+    if recent is not None:
+        if not fast:
+            raise ValueError("the reference reads the recent window through recent.attention_with_recent_reference")
+        window = recent[0]
+        exact_k, exact_v = exact_pages(k, v, tables, meta, *recent, key_offset)
+        return paged_prefill(q, k, v, tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
+                             exact=(exact_k, exact_v, window.size))
     if fast:
         return dense_paged_attention(q, k, v, compact_meta, scale)
     return paged_attention_reference(q, k, v, compact_meta, scale)

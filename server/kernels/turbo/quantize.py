@@ -39,6 +39,7 @@ from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
 from server.kernels.turbo.format import group_size
 from server.kernels.turbo.key_offset import KeyOffset
+from server.kernels.turbo.recent import RecentWindow
 from server.kernels.turbo.sincos import sincos
 from server.kernels.turbo.store_cuda import fills_a_wave, store_turbo_cuda
 
@@ -144,12 +145,15 @@ def _offset_values(const_ptr, mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: t
 @triton.jit
 def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
                   const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
-                  first_tile, tile_step, H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr,
-                  D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                  STAGES: tl.constexpr, ASM: tl.constexpr):
+                  first_tile, tile_step, recent_ptr, recent_rows_ptr, window, H: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr,
+                  BITS: tl.constexpr, OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+                  RECENT: tl.constexpr):
     """Quantize rows (token * H + head) of x into their slots: tiles first_tile, first_tile + tile_step, ...
     below cdiv(n_rows, ROWS). The store kernel's programs each walk their share of the tiles; the decode kernel
-    (attention.py) quantizes its sequence's new row alone: ROWS = 1, first_tile = that row, n_rows = it + 1."""
+    (attention.py) quantizes its sequence's new row alone: ROWS = 1, first_tile = that row, n_rows = it + 1.
+    RECENT: also write each row's rotated value before quantization, in recent_ptr's dtype, to its recent window
+    ring [rows, window, H, D] at [recent_rows[token], position % window] (recent.py)."""
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
     G2: tl.constexpr = G // 2
@@ -211,6 +215,12 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
                        LOG2_G - 1)
         y_lo = (lo + hi) * scale_lo  # the last butterfly stage, h = G / 2, as the reference orders it
         y_hi = (lo - hi) * scale_hi
+        if RECENT:  # rotate(x - o(p)) exactly as the pages get it quantized, in natural column order
+            p_ring = tl.load(pos_ptr + tok, mask=ok, other=0)
+            ring_row = tl.load(recent_rows_ptr + tok, mask=ok, other=0).to(tl.int64)
+            at = (((ring_row * window + p_ring % window) * H + head) * D)[:, None]
+            tl.store(recent_ptr + at + d_lo, y_lo.to(recent_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.store(recent_ptr + at + d_hi, y_hi.to(recent_ptr.dtype.element_ty), mask=ok[:, None])
         # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
         # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
         zero = tl.where(n > 0, 0.0, float("inf"))
@@ -233,36 +243,69 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
 @triton.jit
 def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr,
                   k_codes, k_norms, k_mid, k_cent, k_const, k_mean, k_sink, inv_freq, v_codes, v_norms, v_mid, v_cent,
-                  first_ptr, second_ptr, inv_sqrt, n_rows,
+                  first_ptr, second_ptr, inv_sqrt, n_rows, recent_k_ptr, recent_v_ptr, recent_rows_ptr, window,
                   H: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    # K_OFFSET: "none", "fixed" or "turned" (store_turbo_triton's key_offset and key_offset_turns)
+                  K_OFFSET: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
+                  RECENT: tl.constexpr):
+    # K_OFFSET: "none", "fixed" or "turned" (store_turbo_triton's key_offset and key_offset_turns); RECENT: the
+    # rows also go to the recent window's rings (store_turbo_triton's recent)
     if USE_PDL:  # StoreLaunch.pdl: scheduled while the previous kernel runs; k and v are its output
         gdc_wait()
     if tl.program_id(1) == 0:
         quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_const,
                       k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, tl.program_id(0),
-                      tl.num_programs(0), H, PAGE_SIZE, ROWS, D, G, LOG2_G, K_BITS, K_OFFSET, STAGES, ASM)
+                      tl.num_programs(0), recent_k_ptr, recent_rows_ptr, window, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
+                      K_BITS, K_OFFSET, STAGES, ASM, RECENT)
     else:
         quantize_rows(v_ptr, v_stride_t, v_stride_h, slot_ptr, pos_ptr, v_codes, v_norms, v_mid, v_cent, k_const,
                       k_mean, k_sink, inv_freq, first_ptr, second_ptr, inv_sqrt, n_rows, tl.program_id(0),
-                      tl.num_programs(0), H, PAGE_SIZE, ROWS, D, G, LOG2_G, V_BITS, "none", STAGES, ASM)
+                      tl.num_programs(0), recent_v_ptr, recent_rows_ptr, window, H, PAGE_SIZE, ROWS, D, G, LOG2_G,
+                      V_BITS, "none", STAGES, ASM, RECENT)
+
+
+def recent_arguments(recent: RecentWindow | None, rows: torch.Tensor | None, rows_name: str, tokens: int,
+                     kv_heads: int, head_dim: int, f32: torch.Tensor, i32: torch.Tensor) -> tuple:
+    """A kernel's arguments recent_k_ptr, recent_v_ptr, recent_rows_ptr, window for the recent window (recent.py)
+    of ``tokens`` rows of ``kv_heads`` x ``head_dim`` K/V, ``rows`` (named ``rows_name`` in errors) the int32 ring
+    row of each; f32 / i32 (on the kernel's device) stand in for the pointers a kernel without RECENT never reads."""
+    if recent is None:
+        return (f32, f32, i32, 1)
+    want = (recent.k.shape[0], recent.size, kv_heads, head_dim)
+    for name, t in (("k", recent.k), ("v", recent.v)):
+        if tuple(t.shape) != want or not t.is_contiguous() or t.device != f32.device or recent.size < 1:
+            raise ValueError(f"recent.{name} must be a contiguous [rows, W >= 1, {kv_heads} KV heads, {head_dim}] "
+                             f"tensor on {f32.device} like recent.k {tuple(recent.k.shape)} (RecentWindow.empty makes "
+                             f"one), got {tuple(t.shape)} {t.stride()} on {t.device}")
+    if rows is None or tuple(rows.shape) != (tokens,) or rows.dtype != torch.int32:
+        got = None if rows is None else f"{rows.dtype} {tuple(rows.shape)}"
+        raise ValueError(f"a recent window needs {rows_name}: int32, one ring row for each of the {tokens} tokens, "
+                         f"got {got}")
+    return (recent.k, recent.v, rows, recent.size)
 
 
 def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                        k_pages: TurboPages, v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor],
                        inv_sqrt: float, key_offset: KeyOffset | None = None, key_offset_turns: bool = True,
-                       launch: StoreLaunch | None = None) -> None:
+                       launch: StoreLaunch | None = None, recent: RecentWindow | None = None,
+                       recent_rows: torch.Tensor | None = None) -> None:
     """Quantize k - o(positions) and v, [T, kv_heads, D] (last dim contiguous), into their slots; one launch
     for both. ``key_offset`` (contiguous float32 tensors, TurboKVStore.key_offset); None: the spec's plain format.
     ``key_offset_turns`` False promises o(p) = const everywhere (KeyOffset.turns): no angles computed.
     ``launch``: None takes STORE_LAUNCH.
+    ``recent`` with ``recent_rows`` [T] int32 (each token's ring row): every stored token also writes what its
+    pages quantize, unquantized (rotate(k - o(p)), rotate(v) in the ring's dtype), at index p % W of its ring row
+    (recent.py). For decode steps: tokens of one row must not share p % W (a long chunk's would race; its
+    ring rows go through recent.write_recent).
     """
     launch = launch or STORE_LAUNCH
     num_tokens, heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
+    if recent_rows is not None and recent is None:
+        raise ValueError("recent_rows without recent: pass the recent window the rows belong to")
+    ring = recent_arguments(recent, recent_rows, "recent_rows", num_tokens, heads, head_dim, k_pages.centroids,
+                            slot_mapping)
     n_rows = num_tokens * heads
     if n_rows == 0:
         return
@@ -281,21 +324,23 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping, positions,
             k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids, *offset,
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
-            signs[0], signs[1], inv_sqrt, n_rows,
+            signs[0], signs[1], inv_sqrt, n_rows, *ring,
             H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
             K_OFFSET="none" if key_offset is None else ("turned" if key_offset_turns else "fixed"),
             STAGES=launch.stages,
-            ASM=inline_ptx(k.device), num_warps=launch.num_warps, **options,
+            ASM=inline_ptx(k.device), RECENT=recent is not None, num_warps=launch.num_warps, **options,
         )
 
 
 def store_turbo(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                 k_pages: TurboPages, v_pages: TurboPages, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
-                key_offset: KeyOffset | None = None, key_offset_turns: bool = True) -> None:
+                key_offset: KeyOffset | None = None, key_offset_turns: bool = True, recent: RecentWindow | None = None,
+                recent_rows: torch.Tensor | None = None) -> None:
     """The engine's store: the CUDA C kernel (store_cuda.py) where it runs and the call fills a wave of it (prefill
-    chunks), else store_turbo_triton (decode steps: store_cuda.fills_a_wave says why); same contract."""
-    if not (fills_a_wave(k.shape[0], k.shape[1], k.shape[2], k.device)
+    chunks), else store_turbo_triton (decode steps: store_cuda.fills_a_wave says why); same contract. With a
+    recent window (store_turbo_triton's recent) always the Triton kernel: only it writes the ring."""
+    if not (recent is None and fills_a_wave(k.shape[0], k.shape[1], k.shape[2], k.device)
             and store_turbo_cuda(k, v, slot_mapping, positions, k_pages, v_pages, key_offset, key_offset_turns)):
         store_turbo_triton(k, v, slot_mapping, positions, k_pages, v_pages, signs, inv_sqrt, key_offset,
-                           key_offset_turns)
+                           key_offset_turns, recent=recent, recent_rows=recent_rows)
