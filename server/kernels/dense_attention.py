@@ -12,7 +12,9 @@ Same meaning as ``paged_kv.paged_attention_reference`` (read that first); three 
   their log-sum-exp. Split lengths are computed on the device from ``seq_lens``, so one
   launch (and one captured graph) is valid for any context length.
 - ``paged_prefill``: a varlen chunk of queries per sequence attending causally to the
-  cached prefix plus itself (whole prompts, chunked prefill, and mixed steps).
+  cached prefix plus itself (whole prompts, chunked prefill, and mixed steps). Optionally
+  with a recent window (server/kernels/turbo/recent.py): keys within W of the query come
+  from a second, exact page array; only the few key tiles the window's edge crosses read both.
 
 Softmax runs in float32 in the log2 domain (exp2 is one instruction); tiles multiply in
 the pages' dtype. bf16 is converted before arithmetic, so the CPU interpreter is exact
@@ -70,6 +72,16 @@ def _load_kv_tile(pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim
 
 
 @triton.jit
+def _softmax_step(s, visible, m):
+    """Online softmax over one tile of scores (log2 domain): (probabilities, the factor that rescales the
+    running sums to the new max, the new max). The caller rescales after loading V: doing it before keeps
+    the accumulator live across the load and costs registers."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    return tl.exp2(s - m_new[:, None]), tl.exp2(m - m_new), m_new
+
+
+@triton.jit
 def _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask, kv_head,
                  dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
                  PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -77,15 +89,37 @@ def _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_ro
     k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
                       stride_page, stride_slot, stride_head, PAGE_SIZE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
+    p, alpha, m = _softmax_step(s, visible, m)
     v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
                       stride_page, stride_slot, stride_head, PAGE_SIZE)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    l = l * alpha + tl.sum(p, axis=1)
-    return acc, l, m_new
+    return acc, l * alpha + tl.sum(p, axis=1), m
+
+
+@triton.jit
+def _attend_window_edge_tile(q, visible, near, acc, l, m, k_pages_ptr, v_pages_ptr, k_near_ptr, v_near_ptr,
+                             block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                             stride_page, stride_slot, stride_head, scale_log2,
+                             PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_attend_tile for a tile the window edge crosses: (query, key) pairs marked ``near`` score and
+    weigh the near pages' K and V, the others the far pages'. Both are loaded; only a few tiles per
+    query block are like this."""
+    # One page array's tile at a time, so the far tile is dead before the near one loads (registers).
+    k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    k = _load_kv_tile(k_near_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+    s = tl.where(near, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), s) * scale_log2
+    p, alpha, m = _softmax_step(s, visible, m)
+    p_near = tl.where(near, p, 0.0)
+    v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+    acc = acc * alpha[:, None] + tl.dot((p - p_near).to(v.dtype), v, input_precision=DOT_PRECISION)
+    v = _load_kv_tile(v_near_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+    acc += tl.dot(p_near.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l * alpha + tl.sum(p, axis=1), m
 
 
 @triton.jit
@@ -165,13 +199,40 @@ def _decode_merge_kernel(
 
 
 @triton.jit
+def _prefill_range(q, q_pos, acc, l, m, lo, hi, end, k_pages_ptr, v_pages_ptr, k_near_ptr, v_near_ptr, window,
+                   block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   WINDOW_EDGE: tl.constexpr):
+    """Tiles [lo, hi) of a query block's keys (keys >= end masked), causally; WINDOW_EDGE tiles pick far or
+    near pages per (query, key), the others read k_pages_ptr / v_pages_ptr alone."""
+    # An edge range is two or three tiles: pipelining it would only double its shared memory.
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if WINDOW_EDGE else None):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        # Every row sees key 0 in the first tile, so the running max is finite from then on.
+        visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])
+        if WINDOW_EDGE:
+            near = toks[None, :] > q_pos[:, None] - window
+            acc, l, m = _attend_window_edge_tile(q, visible, near, acc, l, m, k_pages_ptr, v_pages_ptr, k_near_ptr,
+                                                 v_near_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
+                                                 stride_page, stride_slot, stride_head, scale_log2,
+                                                 PAGE_SIZE, DOT_PRECISION)
+        else:
+            acc, l, m = _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks,
+                                     tok_mask, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
+                                     scale_log2, PAGE_SIZE, DOT_PRECISION)
+    return acc, l, m
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_page, stride_slot, stride_head, stride_bt,
+    k_near_ptr, v_near_ptr, window,  # last: placed earlier, they cost the plain kernel 12 registers (ptxas)
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, RECENT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -198,14 +259,28 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        tok_mask = toks < end
-        # Every row sees key 0 in the first tile, so the running max is finite from then on.
-        visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])
-        acc, l, m = _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask,
-                                 kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
-                                 PAGE_SIZE, DOT_PRECISION)
+    if RECENT:
+        # Key j is near for query t when j > t - window. Tiles before far_end are far for the block's first
+        # query (so for all of them), tiles from near_start on near for its last (end - 1, so for all); only
+        # the tiles between, two or three of them (the block's BLOCK_M queries' edges, rounded out to tiles),
+        # read both page arrays.
+        first_q = seq_len - q_len + block_m * BLOCK_M
+        far_end = tl.minimum(tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N, end)
+        near_start = tl.minimum(tl.cdiv(tl.maximum(end - window, 0), BLOCK_N) * BLOCK_N, end)
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, far_end, end, k_pages_ptr, v_pages_ptr, k_near_ptr,
+                                   v_near_ptr, window, block_table_row, kv_head, dims, dim_mask, stride_page,
+                                   stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, far_end, near_start, end, k_pages_ptr, v_pages_ptr,
+                                   k_near_ptr, v_near_ptr, window, block_table_row, kv_head, dims, dim_mask,
+                                   stride_page, stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N,
+                                   DOT_PRECISION, True)
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, near_start, end, end, k_near_ptr, v_near_ptr, k_near_ptr,
+                                   v_near_ptr, window, block_table_row, kv_head, dims, dim_mask, stride_page,
+                                   stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+    else:
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, end, end, k_pages_ptr, v_pages_ptr, k_near_ptr,
+                                   v_near_ptr, window, block_table_row, kv_head, dims, dim_mask, stride_page,
+                                   stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -307,11 +382,36 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     return out
 
 
+def _check_near_pages(k_pages: torch.Tensor, exact) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if not (isinstance(exact, tuple) and len(exact) == 3):
+        raise ValueError("exact must be a tuple (exact K pages, exact V pages, window W)")
+    k_near, v_near, window = exact
+    for name, pages in (("K", k_near), ("V", v_near)):
+        if pages.shape != k_pages.shape or pages.dtype != k_pages.dtype or pages.stride() != k_pages.stride():
+            raise ValueError(
+                f"exact {name} pages {tuple(pages.shape)} {pages.dtype} strides {pages.stride()} must match the "
+                f"pages {tuple(k_pages.shape)} {k_pages.dtype} strides {k_pages.stride()}: they share its block "
+                f"tables (allocate them like the pages, e.g. torch.empty_like)"
+            )
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31:
+        raise ValueError(
+            f"the recent window W must be an int >= 1 (1: a query reads only its own key exactly), got {window!r}"
+        )
+    return k_near, v_near, window
+
+
 def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                  scale: float) -> torch.Tensor:
-    """Varlen causal attention: q [T, q_heads, D] rows grouped by query_start_loc -> same shape."""
+                  scale: float, exact: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """Varlen causal attention: q [T, q_heads, D] rows grouped by query_start_loc -> same shape.
+
+    ``exact`` = (K pages, V pages, W), laid out like k_pages and read through the same block tables: a query
+    at position t reads key and value j from them when j > t - W and from k_pages / v_pages otherwise
+    (server/kernels/turbo/recent.py: the recent window, exact beside the decoded turbo pages). They need hold
+    real values only at the positions some query reads exactly; elsewhere any finite values.
+    """
     _check_pages(q, k_pages, v_pages)
+    k_near, v_near, window = (k_pages, v_pages, 0) if exact is None else _check_near_pages(k_pages, exact)
     tokens, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     block_d = triton.next_power_of_2(head_dim)
@@ -326,8 +426,9 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
             scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_tables.stride(0),
+            k_near, v_near, window,
             PAGE_SIZE=page_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=_dot_precision(k_pages),
+            BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=_dot_precision(k_pages), RECENT=exact is not None,
             num_warps=4 if block_d <= 64 else 8, num_stages=2,
         )
     return out

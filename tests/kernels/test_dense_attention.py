@@ -26,10 +26,10 @@ PAGE = 16
 EDGE_LENS = [1, 2, PAGE - 1, PAGE, PAGE + 1, 100]
 
 
-def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0, extra_pages=3):
+def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0, extra_pages=3, page=PAGE):
     """Random pages in a shuffled pool (sequences own scattered, out-of-order pages) and metadata."""
     gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // PAGE) for n in seq_lens]
+    pages_per_seq = [-(-n // page) for n in seq_lens]
     num_pages = sum(pages_per_seq) + extra_pages
     order = torch.randperm(num_pages, generator=gen)
     max_pages = max(pages_per_seq + [1]) + 2  # padding columns past each sequence's pages
@@ -38,7 +38,7 @@ def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0,
     for s, n in enumerate(pages_per_seq):
         block_tables[s, :n] = order[used : used + n].to(torch.int32)
         used += n
-    shape = (num_pages, PAGE, kv_heads, head_dim)
+    shape = (num_pages, page, kv_heads, head_dim)
     k_pages = torch.randn(shape, generator=gen).to(dtype)
     v_pages = torch.randn(shape, generator=gen).to(dtype)
     q = torch.randn(sum(query_lens), q_heads, head_dim, generator=gen).to(dtype)
@@ -46,7 +46,7 @@ def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0,
     for n in query_lens:
         starts.append(starts[-1] + n)
     slots = [
-        int(block_tables[s, t // PAGE]) * PAGE + t % PAGE
+        int(block_tables[s, t // page]) * page + t % page
         for s, (n, m) in enumerate(zip(seq_lens, query_lens))
         for t in range(n - m, n)
     ]
@@ -61,22 +61,35 @@ def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0,
     return q, k_pages, v_pages, meta
 
 
-def oracle(q, k_pages, v_pages, meta, scale):
-    """float64, one query at a time, keys gathered token by token through the block table."""
-    kv_heads = k_pages.shape[2]
+def gather_tokens(pages, slots):
+    """[tokens, kv_heads, D] float64 rows of pages at (page, offset) slots."""
+    return torch.stack([pages[p, o] for p, o in slots]).double()
+
+
+def oracle(q, k_pages, v_pages, meta, scale, exact=None):
+    """float64, one query at a time, keys gathered token by token through the block table.
+
+    exact = (K pages, V pages, W): the query at position t takes key and value j from these when
+    j > t - W (its last W positions, itself included), from k_pages / v_pages before that."""
+    kv_heads, page = k_pages.shape[2], k_pages.shape[1]
     group = q.shape[1] // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
     row = 0
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        slots = [(int(meta.block_tables[s, t // PAGE]), t % PAGE) for t in range(seq_len)]
-        keys = torch.stack([k_pages[p, o] for p, o in slots]).double()  # [seq_len, kv_heads, D]
-        values = torch.stack([v_pages[p, o] for p, o in slots]).double()
+        slots = [(int(meta.block_tables[s, t // page]), t % page) for t in range(seq_len)]
+        keys, values = gather_tokens(k_pages, slots), gather_tokens(v_pages, slots)
+        if exact is not None:
+            exact_keys, exact_values = gather_tokens(exact[0], slots), gather_tokens(exact[1], slots)
         for i in range(q_len):
-            visible = seq_len - q_len + i + 1
+            t = seq_len - q_len + i
+            keys_t, values_t = keys[: t + 1].clone(), values[: t + 1].clone()
+            if exact is not None:
+                near = max(0, t - exact[2] + 1)
+                keys_t[near:], values_t[near:] = exact_keys[near : t + 1], exact_values[near : t + 1]
             for h in range(q.shape[1]):
-                logits = keys[:visible, h // group] @ q[row + i, h].double() * scale
+                logits = keys_t[:, h // group] @ q[row + i, h].double() * scale
                 weights = torch.exp(logits - logits.max())
-                out[row + i, h] = (weights / weights.sum()) @ values[:visible, h // group]
+                out[row + i, h] = (weights / weights.sum()) @ values_t[:, h // group]
         row += q_len
     return out
 
@@ -162,6 +175,90 @@ def test_chunked_prefill_equals_whole_prefill():
             torch.tensor([done], dtype=torch.int32), torch.tensor([0, chunk], dtype=torch.int32), chunk, 0.125,
         )
         assert_close(part, whole[done - chunk : done], 1e-5, f"chunk ending at token {done} vs whole prefill")
+
+
+# (cached tokens after the write, queries this step): a prompt longer than one query block, chunks after a
+# prefix (one crossing a query block), an idle sequence, a decode row, a chunk crossing a page edge.
+WINDOW_CASES = [(70, 70), (130, 66), (9, 0), (200, 1), (41, 23)]
+
+
+def exact_pages(k_pages, v_pages, meta, window, seed):
+    """Exact K/V unlike the far pages; rows no query reads exactly (before each sequence's first query
+    position - W + 1) hold large values instead, which the kernel must neither use nor turn into NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    k_near, v_near = (torch.randn(k_pages.shape, generator=gen).to(k_pages.dtype) for _ in range(2))
+    page = k_pages.shape[1]
+    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        for t in range(max(0, seq_len - q_len - window + 1)):
+            slot = int(meta.block_tables[s, t // page]), t % page
+            k_near[slot], v_near[slot] = 300.0, -300.0
+    return k_near, v_near
+
+
+def prefill(q, k_pages, v_pages, meta, scale, exact=None):
+    return paged_prefill(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                         meta.max_query_len, scale, exact=exact)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 17, 64, 1000])  # 1000: longer than every sequence
+def test_prefill_recent_window_matches_oracle(window):
+    seq_lens, query_lens = zip(*WINDOW_CASES)
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 4, 2, 64, torch.float32, seed=10 + window)
+    k_near, v_near = exact_pages(k_pages, v_pages, meta, window, seed=window)
+    expected = oracle(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
+    fast = prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
+    assert_close(fast, expected, 1e-5, f"prefill with recent window {window} vs float64 oracle")
+
+
+@pytest.mark.parametrize(
+    "head_dim,group,page,dtype",
+    [(64, 1, 7, torch.float16), (128, 2, PAGE, torch.float16), (128, 4, 7, torch.float32),
+     (64, 4, PAGE, torch.float16)],
+)
+def test_prefill_recent_window_heads_pages_dtypes(head_dim, group, page, dtype):
+    window = 17  # not a multiple of the tile or of either page size
+    seq_lens, query_lens = zip(*WINDOW_CASES)
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 2 * group, 2, head_dim, dtype, seed=group, page=page)
+    k_near, v_near = exact_pages(k_pages, v_pages, meta, window, seed=head_dim)
+    scale = head_dim**-0.5
+    expected = oracle(q, k_pages, v_pages, meta, scale, exact=(k_near, v_near, window))
+    fast = prefill(q, k_pages, v_pages, meta, scale, exact=(k_near, v_near, window))
+    assert fast.dtype == dtype and torch.isfinite(fast).all()
+    assert_close(fast, expected, tolerance(dtype), f"d{head_dim} gqa {group} page {page} {dtype} vs float64 oracle")
+
+
+def test_prefill_recent_window_edge_at_every_offset_within_a_tile():
+    # One query per sequence at 64 consecutive positions: the window's edge (t - W) falls at every offset
+    # inside a key tile, including exactly on the tile boundaries where the kernel switches page arrays.
+    window = 17
+    seq_lens = list(range(70, 70 + 64))
+    q, k_pages, v_pages, meta = make_batch(seq_lens, [1] * len(seq_lens), 2, 1, 64, torch.float32, seed=30)
+    k_near, v_near = exact_pages(k_pages, v_pages, meta, window, seed=31)
+    expected = oracle(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
+    fast = prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
+    assert_close(fast, expected, 1e-5, "one query at each position 69..132, W 17, vs float64 oracle")
+
+
+def test_prefill_recent_window_that_covers_everything_reads_only_the_exact_pages():
+    # A cross-check that does not go through the oracle: W past every position is the plain kernel on the
+    # exact pages, and a window over garbage far pages must not see them.
+    seq_lens, query_lens = zip(*WINDOW_CASES)
+    q, k_near, v_near, meta = make_batch(seq_lens, query_lens, 4, 2, 64, torch.float32, seed=20)
+    far = torch.full_like(k_near, 300.0)
+    assert_close(prefill(q, far, far, meta, 0.125, exact=(k_near, v_near, 200)),
+                 prefill(q, k_near, v_near, meta, 0.125), 1e-6, "W = longest sequence vs plain prefill on exact pages")
+
+
+def test_prefill_recent_window_bad_arguments_are_refused():
+    q, k_pages, v_pages, meta = make_batch([5], [5], 2, 1, 64, torch.float32)
+    with pytest.raises(ValueError, match="W must be an int >= 1"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages, v_pages, 0))
+    with pytest.raises(ValueError, match="must match the pages"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages[:-1], v_pages, 4))
+    with pytest.raises(ValueError, match="must match the pages"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages, v_pages.half(), 4))
+    with pytest.raises(ValueError, match="tuple"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages, v_pages))
 
 
 def test_write_kv_pages_scatters_and_skips_padding_slots():
