@@ -132,3 +132,40 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             + torch.einsum("hqk,khd->qhd", probs * ~near, heads(v_quant))
         ).to(q.dtype)
     return out
+
+
+def exact_pages(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, meta: AttentionMetadata, recent: RecentWindow,
+                step_k_rows: torch.Tensor, step_v_rows: torch.Tensor,
+                key_offset: KeyOffset | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of decoded pages k, v [pages, page_size, kv_heads, D] (original domain, keys with o(p) back when
+    ``key_offset`` is given; addressed through ``tables``, meta's sequences) holding the exact values at every
+    position a query of this step reads exactly: [first query - W + 1, seq_len) of each sequence, from the ring
+    as the step found it before the chunk and from the step's rows (recent_values) in it. The other rows keep
+    k's and v's, so the dense prefill's second source (dense_attention.paged_prefill ``exact``) stays finite."""
+    page_size, size, device = k.shape[1], recent.size, k.device
+    starts, rows_of_seq = meta.query_start_loc.tolist(), meta.recent_rows.tolist()
+    ring_pos, ring_seqs, ring_slots, step_pos, step_seqs, step_tokens = [], [], [], [], [], []
+    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        first = seq_len - q_len
+        before = torch.arange(max(0, first - size + 1) if q_len else first, first)
+        ring_pos.append(before)
+        ring_seqs.append(torch.full_like(before, s))
+        ring_slots.append(rows_of_seq[s] * size + before % size)
+        step_pos.append(torch.arange(first, seq_len))
+        step_seqs.append(torch.full((q_len,), s))
+        step_tokens.append(torch.arange(starts[s], starts[s] + q_len))
+    positions = torch.cat(ring_pos + step_pos).to(device)
+    seqs = torch.cat(ring_seqs + step_seqs).to(device)
+    slots = tables[seqs, positions // page_size].long() * page_size + positions % page_size
+    ring_slots, step_tokens = torch.cat(ring_slots).to(device), torch.cat(step_tokens).to(device)
+    group = group_size(k.shape[-1])
+    out = []
+    for pages, ring, rows in ((k, recent.k, step_k_rows), (v, recent.v, step_v_rows)):
+        flat_ring = ring.view(-1, *ring.shape[2:])
+        values = rotate_reference(torch.cat([flat_ring[ring_slots], rows[step_tokens]]), group, inverse=True)
+        if pages is k and key_offset is not None:
+            values = values + key_offset_at(key_offset, positions)
+        exact = pages.clone()
+        exact.view(-1, *pages.shape[2:])[slots] = values.to(pages.dtype)
+        out.append(exact)
+    return out[0], out[1]

@@ -246,7 +246,11 @@ class TurboKVStore:
         dtype = self.recent.k.dtype
         k_rows = recent_values(new.k, new.positions, new.key_offset, dtype)
         v_rows = recent_values(new.v, new.positions, None, dtype)
-        out = attention_with_recent_reference(q, self._k, self._v, self.k_kind, self.v_kind, self.recent, k_rows,
-                                              v_rows, meta, scale, key_offset)
+        if use_triton(q):
+            out = attention_over_decoded_pages(q, self._k, self._v, self.k_kind, self.v_kind, meta, scale, key_offset,
+                                               page_dtype=self.out_dtype, recent=(self.recent, k_rows, v_rows))
+        else:
+            out = attention_with_recent_reference(q, self._k, self._v, self.k_kind, self.v_kind, self.recent, k_rows,
+                                                  v_rows, meta, scale, key_offset)
         write_recent(self.recent, k_rows, v_rows, meta)
         return out

@@ -164,3 +164,49 @@ def test_attend_without_the_steps_write_or_rows_is_refused():
                              torch.tensor([0, 1], dtype=torch.int32), [1], [1])  # fmt: skip
     with pytest.raises(ValueError, match="recent_rows"):
         store.attend(torch.randn(1, 1, 64), meta, 1.0)
+
+
+@pytest.mark.parametrize("key_offset", [False, True])
+def test_the_dense_prefill_over_decoded_and_exact_pages_matches_the_reference(key_offset):
+    """The GPU's prefill path (attention_over_decoded_pages with the window: dense_attention's two-source prefill)
+    run through the Triton interpreter, against the reference, on a batch of a prefill chunk beside a decode row."""
+    from server.kernels.turbo.attention import attention_over_decoded_pages
+    from server.kernels.turbo.recent import attention_with_recent_reference, recent_values
+
+    torch.manual_seed(4)
+    head_dim, kv_heads, gqa, window = 64, 2, 2, 6
+    lengths = [21, 9]
+    q = [torch.randn(n, kv_heads * gqa, head_dim) for n in lengths]
+    k = [torch.randn(n, kv_heads, head_dim) + 2 for n in lengths]
+    v = [torch.randn(n, kv_heads, head_dim) for n in lengths]
+    tables, rows = shuffled_tables(lengths), [3, 1]
+    store = make_store(kv_heads, head_dim, window)
+    offset = None
+    if key_offset:
+        offset = KeyOffset(const=torch.randn(kv_heads, head_dim), mean=torch.zeros(kv_heads, head_dim),
+                           sink=torch.randn(kv_heads, head_dim), inv_freq=torch.rand(head_dim // 2),
+                           pairs=torch.zeros(kv_heads, 0, dtype=torch.int32))  # fmt: skip
+        store.set_key_offset(offset)  # the sink differs from const: o(p) varies, attention adds it back
+    run_steps(store, q, k, v, [[(0, 12), (1, 8)]], tables, rows, 0.125)
+    # The step under test: 9 more tokens of sequence 0, one of sequence 1; its pages stored, the ring not yet.
+    pos = torch.cat([torch.arange(12, 21), torch.tensor([8])])
+    slots = torch.cat([tables[0][p // PAGE] * PAGE + p % PAGE for p in [torch.arange(12, 21)]]
+                      + [tables[1][8 // PAGE : 8 // PAGE + 1] * PAGE + 8 % PAGE])  # fmt: skip
+    ks, vs, qs = torch.cat([k[0][12:], k[1][8:]]), torch.cat([v[0][12:], v[1][8:]]), torch.cat([q[0][12:], q[1][8:]])
+    store.write(ks, vs, slots, pos)
+    store._flush()
+    block_tables = torch.zeros(2, max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    meta = AttentionMetadata(slots, block_tables, torch.tensor(lengths, dtype=torch.int32),
+                             torch.tensor([0, 9, 10], dtype=torch.int32), lengths, [9, 1],
+                             recent_rows=torch.tensor(rows, dtype=torch.int32))  # fmt: skip
+    k_rows = recent_values(ks, pos, store.key_offset, torch.float32)
+    v_rows = recent_values(vs, pos, None, torch.float32)
+    added = store.key_offset if store.offset_turns else None
+    assert key_offset == (added is not None)
+    fast = attention_over_decoded_pages(qs, store.k, store.v, "turbo3", "turbo3", meta, 0.125, added, fast=True,
+                                        page_dtype=torch.float32, recent=(store.recent, k_rows, v_rows))  # fmt: skip
+    want = attention_with_recent_reference(qs, store.k, store.v, "turbo3", "turbo3", store.recent, k_rows, v_rows,
+                                           meta, 0.125, added)  # fmt: skip
+    torch.testing.assert_close(fast, want, rtol=0, atol=2e-4)
