@@ -269,7 +269,7 @@ def test_unsupported_calls_fall_back_and_the_store_dispatches(monkeypatch):
 
     store, meta, q = scenario([40, 3], [1, 1], 2, 4, 64, "turbo3", "turbo4", seed=10)
     gpu_store = TurboKVStore(1, 16, 2, 64, "turbo3", "turbo4", GPU, torch.float16)
-    gpu_store.k, gpu_store.v, _, gmeta, gq, _ = on_gpu(store, meta, q, torch.float16)
+    gpu_store._k, gpu_store._v, _, gmeta, gq, _ = on_gpu(store, meta, q, torch.float16)  # k, v: read-only views
     calls = []
     real = store_module.decode_attention_cuda
     monkeypatch.setattr(store_module, "decode_attention_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -450,9 +450,9 @@ def recent_oracle(q64, store, ring, meta, scale):
     return out
 
 
-def recent_on_gpu(ring, meta):
-    return (RecentWindow(ring.k.to(GPU), ring.v.to(GPU)),
-            dataclasses.replace(meta, recent_rows=meta.recent_rows.to(GPU)))
+def recent_on_gpu(ring, gpu_meta, rows):
+    """The ring on the GPU, and the GPU metadata (on_gpu's) with the ring ``rows``."""
+    return RecentWindow(ring.k.to(GPU), ring.v.to(GPU)), dataclasses.replace(gpu_meta, recent_rows=rows.to(GPU))
 
 
 def float32_reference(q, store, ring, meta, scale):
@@ -505,12 +505,12 @@ def test_cuda_decode_with_recent_window_matches_float64(head_dim, gqa, k_kind, v
     tol = 3e-3 if dtype == torch.float16 else 1.5e-2
     assert_close(reference, want, 1e-4, "attention_with_recent_reference vs the float64 oracle")
     k, v, offset, gmeta, gq, signs = on_gpu(store, meta, q, dtype)
-    gring, gmeta = recent_on_gpu(ring, gmeta)
+    gring, gmeta = recent_on_gpu(ring, gmeta, meta.recent_rows)
     for splits in (1, 3, 9, None):
         out = attention_cuda.decode_attention_cuda(gq, k, v, gmeta, scale, signs, store.inv_sqrt, offset,
                                                    num_splits=splits, recent=gring)
         assert out is not None, "the CUDA kernel refused a supported call with a recent window"
-        assert not attention_cuda._COUNTERS[GPU].any(), "the last CTA of each row must leave its split counter at 0"
+        assert not attention_cuda._COUNTERS[gq.device].any(), "the last CTA of a row must leave its split counter at 0"
         got = out.double().cpu()
         assert torch.isfinite(got).all(), f"{splits} splits: non-finite output (a NaN ring slot or poisoned page read)"
         assert got[lengths.index(0)].eq(0).all(), "a seq_len-0 row must come out zero"
@@ -524,8 +524,8 @@ def test_cuda_decode_with_recent_window_replays_in_a_cuda_graph_at_other_lengths
     oracle; a row that became seq_len 0 comes out zero."""
     store, ring, meta, q = recent_case([1000, 45, 3], 32, 2, 4, 128, "turbo3", "turbo3", torch.bfloat16,
                                        turned_pairs=8, seed=11)
-    k, v, offset, meta, gq, signs = on_gpu(store, meta, q, torch.bfloat16)
-    gring, meta = recent_on_gpu(ring, meta)
+    k, v, offset, gmeta, gq, signs = on_gpu(store, meta, q, torch.bfloat16)
+    gring, meta = recent_on_gpu(ring, gmeta, meta.recent_rows)
     hinted = dataclasses.replace(meta, seq_lens=meta.seq_lens.clone(), recent_rows=meta.recent_rows.clone(),
                                  seq_lens_cpu=[1000] * 3)
 
@@ -566,7 +566,7 @@ def test_recent_window_calls_the_kernel_cannot_take_fall_back():
     serves); a window without ring rows in the metadata: a clear error."""
     store, ring, meta, q = recent_case([40, 3], 8, 2, 4, 64, "turbo3", "turbo3", torch.float16, seed=13)
     k, v, _, gmeta, gq, signs = on_gpu(store, meta, q, torch.float16)
-    gring, gmeta = recent_on_gpu(ring, gmeta)
+    gring, gmeta = recent_on_gpu(ring, gmeta, meta.recent_rows)
     args = (gq, k, v, gmeta, 0.125, signs, store.inv_sqrt)
     assert attention_cuda.decode_attention_cuda(*args, int8_keys=True, recent=gring) is None
     other = RecentWindow(gring.k.bfloat16(), gring.v.bfloat16())
