@@ -42,6 +42,13 @@ run time by NVRTC, no headers, PTX for everything beyond plain C):
     32 int-to-float conversions a step);
   * loads: each warp prefetches its next tile's code words and norms into registers (and the one after's
     block-table entry) while a tile computes; the first tile's while the query is rotated.
+  * ``recent`` (a build of ``source``; recent.py): positions seq_len - W on come from the ring. The main loop
+    stops its pages at that edge; after it, each warp runs its tiles that reach the edge once more with A
+    fragments loaded straight from the ring rows (16-byte loads of 8 values, bf16 converted to fp16, norm 1),
+    the tokens below the edge masked, so a straddling tile counts once in each pass. Those tiles run after the
+    loop, not in it, because the ring's registers beside the prefetched Step spilled the Step in the main loop
+    (sm_90, turbo3, D = 128, partial8: 152 bytes); after it, 128 registers and no spills, a main loop of 984
+    instructions per two steps against 976, and the no-window source's PTX unchanged.
 The kernel is bound by its integer pipe (PRMT, LOP3, shifts: ~270 of ~420 instructions a 16-token step at
 turbo3, D = 128), not by memory: a variant that copied whole tiles with cp.async into a shared-memory ring
 (3 tiles in flight a warp, no registers held) measured 8-10 % slower at b8/64K and b8/16K (its address work
