@@ -991,12 +991,14 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
     Launch settings for tests and the benchmark's sweep: ``warps`` per CTA (None: default_warps), ``blocks``:
     CTAs per SM to fit in registers (None: min_blocks), ``int8_keys``: the scores' build (None: INT8_KEYS; with
     a window the fp16 build, and an explicit True is None: the ring rows need fp16 query fragments)."""
+    rows = meta.recent_rows
+    if recent is not None and (rows is None or rows.dtype != torch.int32 or rows.shape != (q.shape[0],)):
+        raise ValueError(f"decode_attention_cuda: a recent window needs meta.recent_rows, each sequence's ring row "
+                         f"as [{q.shape[0]}] int32 (the runtime hands them out with the pages); got "
+                         f"{None if rows is None else (rows.dtype, tuple(rows.shape))}")
     if not supports(q, k_pages, v_pages, key_offset):
         return None
     if recent is not None:
-        if meta.recent_rows is None:
-            raise ValueError("decode_attention_cuda: a recent window needs meta.recent_rows (each sequence's ring "
-                             "row, [num_seqs] int32); the runtime hands them out with the pages")
         if int8_keys or not supports_recent(q, recent):
             return None
         int8_keys = False

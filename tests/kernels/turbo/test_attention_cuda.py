@@ -563,7 +563,7 @@ def test_cuda_decode_with_recent_window_replays_in_a_cuda_graph_at_other_lengths
 @needs_gpu
 def test_recent_window_calls_the_kernel_cannot_take_fall_back():
     """The int8-keys build (asked for explicitly) and a ring of another dtype than the queries: None (Triton
-    serves); a window without ring rows in the metadata: a clear error."""
+    serves)."""
     store, ring, meta, q = recent_case([40, 3], 8, 2, 4, 64, "turbo3", "turbo3", torch.float16, seed=13)
     k, v, _, gmeta, gq, signs = on_gpu(store, meta, q, torch.float16)
     gring, gmeta = recent_on_gpu(ring, gmeta, meta.recent_rows)
@@ -571,6 +571,14 @@ def test_recent_window_calls_the_kernel_cannot_take_fall_back():
     assert attention_cuda.decode_attention_cuda(*args, int8_keys=True, recent=gring) is None
     other = RecentWindow(gring.k.bfloat16(), gring.v.bfloat16())
     assert attention_cuda.decode_attention_cuda(*args, recent=other) is None, "a bf16 ring with fp16 queries"
-    no_rows = dataclasses.replace(gmeta, recent_rows=None)
-    with pytest.raises(ValueError, match="recent_rows"):
-        attention_cuda.decode_attention_cuda(gq, k, v, no_rows, 0.125, signs, store.inv_sqrt, recent=gring)
+
+
+def test_recent_window_without_its_rows_is_explained():
+    """A window with no ring rows in the metadata, or rows not [num_seqs] int32: a clear error on any device (a
+    wiring bug, not a case for the Triton fallback)."""
+    store, ring, meta, q = recent_case([40, 3], 8, 2, 4, 64, "turbo3", "turbo3", torch.float16, seed=13)
+    for rows in (None, meta.recent_rows.long(), meta.recent_rows[:1]):
+        with pytest.raises(ValueError, match=r"recent_rows, each sequence's ring row as \[2\] int32"):
+            bad = dataclasses.replace(meta, recent_rows=rows)
+            attention_cuda.decode_attention_cuda(q.half(), store.k, store.v, bad, 0.125, store.signs, store.inv_sqrt,
+                                                 recent=ring)
