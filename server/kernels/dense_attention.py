@@ -72,16 +72,6 @@ def _load_kv_tile(pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim
 
 
 @triton.jit
-def _softmax_step(s, visible, m):
-    """Online softmax over one tile of scores (log2 domain): (probabilities, the factor that rescales the
-    running sums to the new max, the new max). The caller rescales after loading V: doing it before keeps
-    the accumulator live across the load and costs registers."""
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    return tl.exp2(s - m_new[:, None]), tl.exp2(m - m_new), m_new
-
-
-@triton.jit
 def _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask, kv_head,
                  dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
                  PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -89,37 +79,15 @@ def _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_ro
     k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
                       stride_page, stride_slot, stride_head, PAGE_SIZE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    p, alpha, m = _softmax_step(s, visible, m)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
     v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
                       stride_page, stride_slot, stride_head, PAGE_SIZE)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, l * alpha + tl.sum(p, axis=1), m
-
-
-@triton.jit
-def _attend_window_edge_tile(q, visible, near, acc, l, m, k_pages_ptr, v_pages_ptr, k_near_ptr, v_near_ptr,
-                             block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                             stride_page, stride_slot, stride_head, scale_log2,
-                             PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """_attend_tile for a tile the window edge crosses: (query, key) pairs marked ``near`` score and
-    weigh the near pages' K and V, the others the far pages'. Both are loaded; only a few tiles per
-    query block are like this."""
-    # One page array's tile at a time, so the far tile is dead before the near one loads (registers).
-    k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                      stride_page, stride_slot, stride_head, PAGE_SIZE)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    k = _load_kv_tile(k_near_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                      stride_page, stride_slot, stride_head, PAGE_SIZE)
-    s = tl.where(near, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), s) * scale_log2
-    p, alpha, m = _softmax_step(s, visible, m)
-    p_near = tl.where(near, p, 0.0)
-    v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                      stride_page, stride_slot, stride_head, PAGE_SIZE)
-    acc = acc * alpha[:, None] + tl.dot((p - p_near).to(v.dtype), v, input_precision=DOT_PRECISION)
-    v = _load_kv_tile(v_near_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                      stride_page, stride_slot, stride_head, PAGE_SIZE)
-    acc += tl.dot(p_near.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, l * alpha + tl.sum(p, axis=1), m
+    l = l * alpha + tl.sum(p, axis=1)
+    return acc, l, m_new
 
 
 @triton.jit
@@ -199,28 +167,21 @@ def _decode_merge_kernel(
 
 
 @triton.jit
-def _prefill_range(q, q_pos, acc, l, m, lo, hi, end, k_pages_ptr, v_pages_ptr, k_near_ptr, v_near_ptr, window,
-                   block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   WINDOW_EDGE: tl.constexpr):
-    """Tiles [lo, hi) of a query block's keys (keys >= end masked), causally; WINDOW_EDGE tiles pick far or
-    near pages per (query, key), the others read k_pages_ptr / v_pages_ptr alone."""
-    # An edge range is two or three tiles: pipelining it would only double its shared memory.
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if WINDOW_EDGE else None):
+def _prefill_range(q, q_pos, acc, l, m, lo, hi, end, k_pages_ptr, v_pages_ptr, window, block_table_row, kv_head,
+                   dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SIDE: tl.constexpr):
+    """Key tiles [lo, hi) of a query block (keys >= end masked) from one page array, causally. SIDE 0: every
+    key; 1: only keys far from the query (j <= t - window); 2: only near ones (t - window < j <= t)."""
+    newest = q_pos - window if SIDE == 1 else q_pos  # the last key each query reads here
+    for n0 in range(lo, hi, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        # Every row sees key 0 in the first tile, so the running max is finite from then on.
-        visible = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])
-        if WINDOW_EDGE:
-            near = toks[None, :] > q_pos[:, None] - window
-            acc, l, m = _attend_window_edge_tile(q, visible, near, acc, l, m, k_pages_ptr, v_pages_ptr, k_near_ptr,
-                                                 v_near_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                                                 stride_page, stride_slot, stride_head, scale_log2,
-                                                 PAGE_SIZE, DOT_PRECISION)
-        else:
-            acc, l, m = _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks,
-                                     tok_mask, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
-                                     scale_log2, PAGE_SIZE, DOT_PRECISION)
+        visible = tok_mask[None, :] & (toks[None, :] <= newest[:, None])
+        if SIDE == 2:
+            visible &= toks[None, :] > newest[:, None] - window
+        acc, l, m = _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask,
+                                 kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
+                                 PAGE_SIZE, DOT_PRECISION)
     return acc, l, m
 
 
@@ -256,31 +217,31 @@ def _prefill_kernel(
     # Causal: this block's last query sees keys up to its own position; an idle block
     # (past the sequence's queries) runs no iteration and stores nothing.
     end = tl.where(block_m * BLOCK_M < q_len, tl.minimum(seq_len, seq_len - q_len + (block_m + 1) * BLOCK_M), 0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if RECENT:
-        # Key j is near for query t when j > t - window. Tiles before far_end are far for the block's first
-        # query (so for all of them), tiles from near_start on near for its last (end - 1, so for all); only
-        # the tiles between, two or three of them (the block's BLOCK_M queries' edges, rounded out to tiles),
-        # read both page arrays.
+        # Key j is near for query t when j > t - window: one pass over the far pages' keys, one over the near
+        # pages'; the online softmax merges them as it merges tiles. The far pass ends at near_start, where
+        # every key is near for the block's last query (end - 1), so for all; the near pass starts at far_end,
+        # before which every key is far for its first query. Only the tiles between, two or three, are read
+        # twice. A query can see no key in a whole tile of a pass, so the running max starts finite:
+        # exp2(-inf - -inf) would be NaN (the plain kernel's first tile always shows key 0).
+        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
         first_q = seq_len - q_len + block_m * BLOCK_M
         far_end = tl.minimum(tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N, end)
         near_start = tl.minimum(tl.cdiv(tl.maximum(end - window, 0), BLOCK_N) * BLOCK_N, end)
-        acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, far_end, end, k_pages_ptr, v_pages_ptr, k_near_ptr,
-                                   v_near_ptr, window, block_table_row, kv_head, dims, dim_mask, stride_page,
-                                   stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
-        acc, l, m = _prefill_range(q, q_pos, acc, l, m, far_end, near_start, end, k_pages_ptr, v_pages_ptr,
-                                   k_near_ptr, v_near_ptr, window, block_table_row, kv_head, dims, dim_mask,
-                                   stride_page, stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N,
-                                   DOT_PRECISION, True)
-        acc, l, m = _prefill_range(q, q_pos, acc, l, m, near_start, end, end, k_near_ptr, v_near_ptr, k_near_ptr,
-                                   v_near_ptr, window, block_table_row, kv_head, dims, dim_mask, stride_page,
-                                   stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, near_start, end, k_pages_ptr, v_pages_ptr, window,
+                                   block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
+                                   scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, 1)
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, far_end, end, end, k_near_ptr, v_near_ptr, window,
+                                   block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
+                                   scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, 2)
     else:
-        acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, end, end, k_pages_ptr, v_pages_ptr, k_near_ptr,
-                                   v_near_ptr, window, block_table_row, kv_head, dims, dim_mask, stride_page,
-                                   stride_slot, stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+        # Every row sees key 0 in the first tile, so the running max is finite from then on.
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, end, end, k_pages_ptr, v_pages_ptr, window,
+                                   block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
+                                   scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, 0)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -416,6 +377,11 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     block = 64 if block_d <= 128 else 32  # keeps the [BLOCK, D] tiles of a 256-dim head in registers
+    num_warps = 4 if block_d <= 64 else 8
+    # Two passes cost the windowed kernel registers (sm_90, d128: about 180 against the plain kernel's 128),
+    # which leaves one 8-warp program per SM where the plain kernel runs two; capped at 128 it compiles
+    # without spills (offline sm_90 compile, Triton 3.6 and 3.7). Other head sizes: no such gain to keep.
+    options = {"maxnreg": 128} if exact is not None and block_d == 128 else {}
     out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if tokens == 0 or num_seqs == 0 or max_query_len == 0:
@@ -429,7 +395,7 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
             k_near, v_near, window,
             PAGE_SIZE=page_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=_dot_precision(k_pages), RECENT=exact is not None,
-            num_warps=4 if block_d <= 64 else 8, num_stages=2,
+            num_warps=num_warps, num_stages=2, **options,
         )
     return out
 
