@@ -19,9 +19,12 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     constant [BLOCK, 2P] table of the in-tile angles gives the tile's bias (fp16 operands on the
     GPU, fp32 "ieee" otherwise), and position 0 gets <q, sink - const - mean> more; OFFSET=False
     compiles today's kernel unchanged (layout_change.md "Fused decode");
-  * with a recent window (recent.py) each split reads the positions below seq_len - W from the pages and
-    the rest from the ring, exact rows already rotated (rotate(k - o(p)), rotate(v)) in the model's dtype,
-    through the same score / softmax / accumulate step (no norms); RECENT=False compiles the kernel without it;
+  * with a recent window (recent.py) the splits share the positions below seq_len - W, and one more program
+    per (sequence, KV head) reads the ring's last W: exact rows already rotated (rotate(k - o(p)), rotate(v)) in
+    the model's dtype, through the same score / softmax / accumulate step (no norms). A program of its own, not
+    a second loop in the last split: the page loop then keeps its registers (sm_90, turbo3, partial offset of 8
+    pairs: 502 instructions a step and one spill vs 513 and six, the plain kernel's 491; H200 timings in
+    bench/turbo_recent_triton.py). RECENT=False compiles the kernel without it;
   * a second small kernel, one program per (sequence, query head), merges the splits
     (log-sum-exp) and applies the one inverse rotation per output.
 
@@ -336,11 +339,20 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_tokens(seq_len, num_splits, BLOCK)
+    paged_len = seq_len
+    ring = False
+    if RECENT:  # program 0 reads the ring's [seq_len - window, seq_len), programs 1.. split the pages below it
+        paged_len = tl.maximum(seq_len - window, 0)
+        split = split - 1
+        ring = split < 0
+    chunk = _split_tokens(paged_len, num_splits, BLOCK)
     start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    end = tl.minimum(start + chunk, paged_len)
+    busy = start < seq_len  # splits past the end (short rows, seq_len-0 padding) do nothing; merge skips them
+    if RECENT:  # (start stays a multiple of BLOCK for the page loop's address arithmetic)
+        busy = tl.where(ring, seq_len > 0, start < paged_len)
 
-    if start < seq_len:  # splits past the end (short rows, seq_len-0 padding) do nothing; merge skips them
+    if busy:
         # The softmax runs over the H <= GQA_PAD columns that can hold heads (_query_rows): 4 for GQA <= 4,
         # 8 for GQA <= 8: 2-4x less exp/max/rescale work per step than over the padded tile.
         H: tl.constexpr = GQA_PAD if 2 * GQA > GQA_PAD else (GQA_PAD // 2 if 4 * GQA > GQA_PAD else GQA_PAD // 4)
@@ -371,38 +383,35 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         m = tl.full((H,), float("-inf"), tl.float32)
         l = tl.zeros((H, BLOCK), tl.float32)  # per token slot; summed once at the end (no cross-warp sum per step)
         acc_t = tl.zeros((D, H), tl.float32)
-        paged_end = end
-        if RECENT:  # the pages serve [start, seq_len - window), the ring the rest of the split
-            paged_end = tl.minimum(end, seq_len - window)
-        # Norms are 2-byte loads, too narrow for the pipeliner's cp.async: load each block's one
-        # step ahead (with its page-table entries) so their latency hides behind a whole step.
-        valid, row, k_norm, v_norm = _block_rows(start, paged_end, seq, kv_head, tables_ptr, tables_stride, k_norms,
-                                                 v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
-        for t0 in range(start, paged_end, BLOCK):
-            valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
-                t0 + BLOCK, paged_end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG,
-                BLOCK)
-            if OFFSET:  # before the K tile: both dots' operands then share one barrier (550 -> 532 per step)
-                turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
-            k = _tile(k_codes, row, valid, k_norm, k_table, k_poly, BLOCK, D, G, K_BITS, F16, ASM, K_ORDER)
-            scores = _tile_scores(k, q, BLOCK, GQA_PAD, H)
-            if NG == 1:
-                scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
-            if OFFSET:
-                scores = _offset_scores(scores, t0, table, turned, sink_extra, BLOCK, GQA_PAD, H, F16)
-            p, alpha, m, l = _softmax_step(scores, valid, m, l)
-            if NG == 1:  # fold the value norms into the probabilities
-                p = p * tl.reshape(v_norm, (BLOCK,))[None, :]
-            p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)  # before the V tile: the sm_90 code stays the same
-            v = _tile(v_codes, row, valid, v_norm, v_table, v_poly, BLOCK, D, G, V_BITS, F16, ASM, V_ORDER)
-            acc_t = _accumulate(acc_t, alpha, p, v, D, GQA_PAD, H)
-            valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
-
-        if RECENT:  # the same step over exact rows: the ring holds rotate(k - o(p)) like the pages, and no norms
+        if not ring:
+            # Norms are 2-byte loads, too narrow for the pipeliner's cp.async: load each block's one
+            # step ahead (with its page-table entries) so their latency hides behind a whole step.
+            valid, row, k_norm, v_norm = _block_rows(start, end, seq, kv_head, tables_ptr, tables_stride, k_norms,
+                                                     v_norms, H_KV, PAGE_SIZE, NG, BLOCK)
+            for t0 in range(start, end, BLOCK):
+                valid_next, row_next, k_norm_next, v_norm_next = _block_rows(
+                    t0 + BLOCK, end, seq, kv_head, tables_ptr, tables_stride, k_norms, v_norms, H_KV, PAGE_SIZE, NG,
+                    BLOCK)
+                if OFFSET:  # before the K tile: both dots' operands then share one barrier (550 -> 532 per step)
+                    turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
+                k = _tile(k_codes, row, valid, k_norm, k_table, k_poly, BLOCK, D, G, K_BITS, F16, ASM, K_ORDER)
+                scores = _tile_scores(k, q, BLOCK, GQA_PAD, H)
+                if NG == 1:
+                    scores = scores * tl.reshape(k_norm, (BLOCK,))[None, :]
+                if OFFSET:
+                    scores = _offset_scores(scores, t0, table, turned, sink_extra, BLOCK, GQA_PAD, H, F16)
+                p, alpha, m, l = _softmax_step(scores, valid, m, l)
+                if NG == 1:  # fold the value norms into the probabilities
+                    p = p * tl.reshape(v_norm, (BLOCK,))[None, :]
+                p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)  # before the V tile: same sm_90 code
+                v = _tile(v_codes, row, valid, v_norm, v_table, v_poly, BLOCK, D, G, V_BITS, F16, ASM, V_ORDER)
+                acc_t = _accumulate(acc_t, alpha, p, v, D, GQA_PAD, H)
+                valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
+        else:  # the same step over exact rows: the ring holds rotate(k - o(p)) like the pages, and no norms
             ring_row = tl.load(recent_rows_ptr + seq).to(tl.int64)
-            for t0 in range(tl.maximum(start, seq_len - window), end, BLOCK):
+            for t0 in range(paged_len, seq_len, BLOCK):
                 tok = t0 + tl.arange(0, BLOCK)
-                valid = tok < end
+                valid = tok < seq_len
                 if OFFSET:
                     turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
                 k = _ring_tile(recent_k_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP, BLOCK, K_ORDER)
@@ -416,7 +425,12 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
         acc = _permute_columns(tl.trans(acc_t), H, D, V_UNDO)  # back from V's column order
         h = tl.arange(0, H)
-        part = (seq * (H_KV * GQA) + kv_head * GQA + h) * num_splits + split
+        slot = split
+        slots = num_splits
+        if RECENT:  # the ring's partial first, then the page splits'
+            slot = split + 1
+            slots = num_splits + 1
+        part = (seq * (H_KV * GQA) + kv_head * GQA + h) * slots + slot
         tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(h < GQA)[:, None])
         tl.store(part_m_ptr + part, m, mask=h < GQA)
         tl.store(part_l_ptr + part, tl.sum(l, axis=1), mask=h < GQA)
@@ -424,15 +438,23 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 
 @triton.jit
 def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr,
-                  part_l_ptr, num_splits, first_ptr, second_ptr, inv_sqrt, BLOCK: tl.constexpr,
-                  SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr):
-    """One program per (sequence, query head): log-sum-exp merge of its splits, SPLIT_TILE at a time."""
+                  part_l_ptr, num_splits, first_ptr, second_ptr, inv_sqrt, window, BLOCK: tl.constexpr,
+                  SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr,
+                  RECENT: tl.constexpr):
+    """One program per (sequence, query head): log-sum-exp merge of its splits, SPLIT_TILE at a time. RECENT: the
+    ring program's partial comes first, then the page splits' over the seq_len - window positions below it."""
     NG: tl.constexpr = D // G
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    part0 = (seq * tl.num_programs(1) + head) * num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.minimum(tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, BLOCK)), num_splits)  # splits that wrote
+    if RECENT:
+        paged_len = tl.maximum(seq_len - window, 0)
+        part0 = (seq * tl.num_programs(1) + head) * (num_splits + 1)
+        used = tl.minimum(tl.cdiv(paged_len, _split_tokens(paged_len, num_splits, BLOCK)), num_splits) + \
+            (seq_len > 0).to(tl.int32)
+    else:
+        part0 = (seq * tl.num_programs(1) + head) * num_splits
+        used = tl.minimum(tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, BLOCK)), num_splits)  # splits that wrote
     tile = tl.arange(0, SPLIT_TILE)
     m_max = float("-inf")
     for s0 in range(0, used, SPLIT_TILE):
@@ -554,8 +576,9 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     if num_splits is None:
         num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, block_n)
     num_splits = whole_block_splits(meta.max_seq_len, block_n, num_splits)
-    part_acc = torch.empty(num_seqs * q_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(num_seqs * q_heads * num_splits, dtype=torch.float32, device=q.device)
+    programs = num_splits + (recent is not None)  # per (sequence, KV head): the splits and the ring's program
+    part_acc = torch.empty(num_seqs * q_heads * programs, head_dim, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(num_seqs * q_heads * programs, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs at least 16 rows
     pairs = 0 if key_offset is None else key_offset.pairs.shape[1]
@@ -567,7 +590,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     store_offset = None if new_tokens is None else new_tokens.key_offset
     offset = key_offset if key_offset is not None else store_offset  # the same one where both are given
     with timed("turbo_decode_attention", q.device):
-        _decode_kernel[(num_seqs, kv_heads, num_splits)](
+        _decode_kernel[(num_seqs, kv_heads, programs)](
             q, q.stride(0), q.stride(1), meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
@@ -588,8 +611,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         )
         _merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
-            num_splits, signs[0], signs[1], inv_sqrt, BLOCK=block_n, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim, G=group,
-            LOG2_G=group.bit_length() - 1,
+            num_splits, signs[0], signs[1], inv_sqrt, ring[3], BLOCK=block_n, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim,
+            G=group, LOG2_G=group.bit_length() - 1, RECENT=recent is not None,
         )
     return out
 
