@@ -141,7 +141,7 @@ def time_decode(device, offsets: dict) -> None:
         metas = [dataclasses.replace(m, recent_rows=rows) for m in metas]
         splits = choose_splits(batch, KV_HEADS, ctx, device)
         for name, offset in offsets.items():
-            def decode(i, recent, offset=offset):
+            def decode(i, recent, offset=offset, store=store, metas=metas, qs=qs):
                 return decode_attention_triton(qs[i], store.k, store.v, metas[i], HEAD_DIM**-0.5, store.signs,
                                                store.inv_sqrt, offset, recent=recent)
 
@@ -150,7 +150,6 @@ def time_decode(device, offsets: dict) -> None:
             ratio = (times[1] + times[3]) / (times[0] + times[2])
             print(f"| b{batch} ctx{ctx // 1024}K | {name} | {splits} | {times[0]:.4f} | {times[1]:.4f} | "
                   f"{times[2]:.4f} | {times[3]:.4f} | {ratio:.3f} |", flush=True)
-        del store, metas, qs
         torch.cuda.empty_cache()
 
 
@@ -169,7 +168,8 @@ def time_store(device, offsets: dict) -> None:
         for name, offset in offsets.items():
             turns = offset is not None and offset.turns
 
-            def step(_, recent, offset=offset, turns=turns):
+            def step(_, recent, offset=offset, turns=turns, inputs=(k, v, slots, positions, store, rows)):
+                k, v, slots, positions, store, rows = inputs
                 store_turbo(k, v, slots, positions, store.k, store.v, store.signs, store.inv_sqrt, offset, turns,
                             recent=recent, recent_rows=None if recent is None else rows)
 

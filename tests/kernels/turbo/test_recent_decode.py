@@ -144,8 +144,8 @@ def test_decode_with_recent_window_matches_reference_and_float64(head_dim, gqa, 
 
 def test_decode_with_recent_window_head_dim_256():
     window = 5
-    store, recent, meta, q, keys, values, step_k, step_v = decode_step([1, 5, 6, 33], 1, 2, 256, "turbo3", "turbo4",
-                                                                       window, seed=7)
+    store, recent, meta, q, keys, values, *_ = decode_step([1, 5, 6, 33], 1, 2, 256, "turbo3", "turbo4", window,
+                                                           seed=7)
     want = oracle(q, store, meta, keys, values, window, 256**-0.5)
     got = decode_attention_triton(q, store.k, store.v, meta, 256**-0.5, store.signs, store.inv_sqrt, num_splits=2,
                                   recent=recent)
@@ -154,13 +154,14 @@ def test_decode_with_recent_window_head_dim_256():
 
 def test_decode_with_half_queries_and_a_half_ring_errs_within_fp16_rounding():
     """fp16 queries and ring (the GPU case): ring rows become fp16 mma operands like the decoded tiles. Against the
-    float64 oracle over what the ring holds (its fp16 rows rotated back) the error is the fp16 operands' alone."""
+    float32 reference over what the ring holds (the step's rows rounded to fp16 too) the error is the fp16 operands'
+    alone."""
     window, head_dim = 16, 128
     offset = offset_for(1, head_dim, 500000.0, seed=3, turned_pairs=8)
-    store, recent, meta, q, keys, values, step_k, step_v = decode_step([3, 17, 40], 1, 4, head_dim, "turbo3",
-                                                                       "turbo3", window, offset, torch.float16, seed=9)
+    store, recent, meta, q, _, _, step_k, step_v = decode_step([3, 17, 40], 1, 4, head_dim, "turbo3", "turbo3",
+                                                               window, offset, torch.float16, seed=9)
     q = q.half()
-    ref, live = reference(q.float(), store, recent, meta, step_k.half().float(), step_v.half().float(), head_dim**-0.5)
+    ref, _ = reference(q.float(), store, recent, meta, step_k.half().float(), step_v.half().float(), head_dim**-0.5)
     got = decode_attention_triton(q, store.k, store.v, meta, head_dim**-0.5, store.signs, store.inv_sqrt,
                                   store.key_offset, num_splits=2, recent=recent)
     assert got.dtype == torch.float16
