@@ -62,7 +62,7 @@ def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: i
                      ASM=True, K_ORDER=order.get((bits_k, head_dim), ()), V_ORDER=order.get((bits_v, head_dim), ()),
                      V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())), OFFSET=offset is not None,
                      P=offset or 0, PP=max(8, triton.next_power_of_2(offset or 0)), STORE=store,
-                     STORE_OFFSET="none" if offset is None else "turned")
+                     STORE_OFFSET="none" if offset is None else "turned", RECENT=False)
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:

@@ -340,7 +340,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     paged_len = seq_len
-    ring = False
+    ring: tl.constexpr = False  # a constexpr: without RECENT the ring's branch is never traced
     if RECENT:  # program 0 reads the ring's [seq_len - window, seq_len), programs 1.. split the pages below it
         paged_len = tl.maximum(seq_len - window, 0)
         split = split - 1
