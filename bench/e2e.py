@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import (  # noqa: E402
     BENCHMARKS_DOC, command_line, copy_bandwidth_gbs, dated_heading, environment_line, record,
 )
-from server.config import DEFAULT_KV_KEY_OFFSET, EngineConfig  # noqa: E402
+from server.config import DEFAULT_KV_KEY_OFFSET, DEFAULT_KV_RECENT_WINDOW, EngineConfig  # noqa: E402
 from server.runtime.engine import Engine  # noqa: E402
 from server.runtime.kv_cache import TURBO_KV_KINDS  # noqa: E402
 from server.runtime.models.config import ModelConfig  # noqa: E402
@@ -163,7 +163,8 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
 
 
 def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int, kv_cache_dtype: str, budget_tokens: int,
-                chunk: int, async_scheduling: bool = True, kv_key_offset: str = "fixed") -> Engine:
+                chunk: int, async_scheduling: bool = True, kv_key_offset: str = "fixed",
+                kv_recent_window: int = DEFAULT_KV_RECENT_WINDOW) -> Engine:
     cfg = loaded.config
     layer_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K+V per token per layer at f32: an upper bound
     config = EngineConfig(
@@ -172,6 +173,7 @@ def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int, kv_cache
         max_model_len=max_model_len,
         kv_cache_dtype=kv_cache_dtype,
         kv_key_offset=kv_key_offset,
+        kv_recent_window=kv_recent_window,
         kv_cache_memory=cfg.num_layers * layer_bytes * (budget_tokens + 64 * max_seqs),
         kernel_timing_sample_rate=0.0,
         async_scheduling=async_scheduling,
@@ -273,16 +275,17 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
     name = "depth-2048" if device.type == "cuda" else "tiny"
     cfg = SHAPES[name]
     loaded = build_random_model(cfg, device, args.dtype)
-    kinds = [(kv_dtype, offset) for kv_dtype in args.kv_cache_dtype
-             for offset in (args.kv_key_offset if kv_dtype in TURBO_KV_KINDS else ["fixed"])]
-    for kv_dtype, offset in kinds:
-        label = f"{kv_dtype}, {offset} key offset" if kv_dtype in TURBO_KV_KINDS else kv_dtype
+    kinds = [(kv_dtype, offset, window) for kv_dtype in args.kv_cache_dtype
+             for offset in (args.kv_key_offset if kv_dtype in TURBO_KV_KINDS else ["fixed"])
+             for window in (args.kv_recent_window if kv_dtype in TURBO_KV_KINDS else [0])]
+    for kv_dtype, offset, window in kinds:
+        label = f"{kv_dtype}, {offset} key offset, recent {window}" if kv_dtype in TURBO_KV_KINDS else kv_dtype
         for depth in args.context_depth:
             prompt = max(depth, 1)
             length = prompt + DEPTH_NEW_TOKENS
             try:
                 engine = make_engine(loaded, 1, max(length + 1, args.max_model_len), kv_dtype, length + 16, 8192,
-                                     args.async_scheduling, offset)
+                                     args.async_scheduling, offset, window)
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
                 lines.append(f"| {name} | decode b1 @ {depth} ({label}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
     p.add_argument("--kv-key-offset", default=DEFAULT_KV_KEY_OFFSET, type=lambda s: s.split(","),
                    help="turbo K offsets to compare, e.g. partial,fixed,turned (the engine's default pair count)")
+    p.add_argument("--kv-recent-window", default=str(DEFAULT_KV_RECENT_WINDOW),
+                   type=lambda s: [int(x) for x in s.split(",")], help="turbo recent windows to compare, e.g. 0,128 (kernels/turbo/recent.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--doc", type=Path, default=BENCHMARKS_DOC, help="markdown file to record into")
     p.add_argument("--no-record", action="store_true")
