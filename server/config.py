@@ -11,8 +11,8 @@ KV_KEY_OFFSETS = ("fixed", "partial", "turned", "none")  # what a turbo K store 
 # (docs/BENCHMARKS.md "Quality", "TurboQuant decode with a partial key offset")
 DEFAULT_KV_KEY_OFFSET = "partial"
 DEFAULT_KV_KEY_TURNED_PAIRS = 8  # partial's rotate-half pairs per KV head (all of them in heads with fewer)
-# Turbo caches also keep each sequence's last 128 tokens unquantized (kernels/turbo/recent.py): in emulation
-# on the embedded model, turbo3's perplexity loss +4.5 % -> +0.7 % (docs/BENCHMARKS.md "Quality")
+# Turbo caches also keep each sequence's last 128 tokens unquantized (kernels/turbo/recent.py): on the embedded
+# model turbo3's perplexity loss +5.3 % -> +0.4 %, turbo4's +1.4 % -> +0.04 % (docs/BENCHMARKS.md "Quality")
 DEFAULT_KV_RECENT_WINDOW = 128
 
 

@@ -26,6 +26,12 @@ value_bitwidth = Gauge(
 )  # fmt: skip
 token_bytes = Gauge("turboserve_kv_bytes_per_token", "KV bytes of one token, K and V of all layers.", LABELS)
 pool_tokens = Gauge("turboserve_kv_pool_tokens", "Tokens that fit in the whole pool.", LABELS)
+recent_tokens = Gauge(
+    "turboserve_kv_recent_window_tokens", "Last tokens of each sequence a turbo cache also keeps unquantized.", LABELS
+)
+recent_bytes = Gauge(
+    "turboserve_kv_recent_window_bytes", "Bytes of the recent-window rows, all layers (outside the page pool).", LABELS
+)
 compression_ratio = Gauge(
     "turboserve_kv_compression_ratio", "bf16 KV bytes per token divided by this pool's, same model.", LABELS
 )
@@ -59,9 +65,12 @@ class KVMetrics:
         k_bits: float,
         v_bits: float,
         bf16_bytes_per_token: int,
+        recent_window: int = 0,
+        recent_window_bytes: int = 0,
     ) -> None:
         """The pool as allocated. Both byte counts cover K and V of every layer; the bf16 one
-        is what the same model would need with a plain bf16 cache (the compression baseline)."""
+        is what the same model would need with a plain bf16 cache (the compression baseline). A turbo cache's
+        recent window (kernels/turbo/recent.py) is reported beside the pool: its rows are not pages."""
         name = self.model_name
         self._pages_total = num_pages
         self._page_bytes = page_size * bytes_per_token
@@ -72,6 +81,8 @@ class KVMetrics:
         value_bitwidth.labels(name, "k", k_dtype).set(k_bits)
         value_bitwidth.labels(name, "v", v_dtype).set(v_bits)
         compression_ratio.labels(name).set(bf16_bytes_per_token / bytes_per_token)
+        recent_tokens.labels(name).set(recent_window)
+        recent_bytes.labels(name).set(recent_window_bytes)
         self.on_pages_used(0)
 
     def on_pages_used(self, used: int) -> None:

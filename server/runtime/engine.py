@@ -153,7 +153,8 @@ class Engine:
         self.metrics.kv.on_pool(
             num_pages=kv.num_pages, page_size=kv.page_size, bytes_per_token=kv.bytes_per_token,
             k_dtype=kv.k_kind, v_dtype=kv.v_kind, k_bits=bits_per_value(kv.k_kind), v_bits=bits_per_value(kv.v_kind),
-            bf16_bytes_per_token=bytes_per_token(layout, "bf16", "bf16"),
+            bf16_bytes_per_token=bytes_per_token(layout, "bf16", "bf16"), recent_window=kv.recent_window,
+            recent_window_bytes=kv.recent_bytes,
         )  # fmt: skip
         in_memory = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
         in_file = {raw.ggml_type.name for raw in loaded.raw_weights.values()}

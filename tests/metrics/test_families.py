@@ -70,7 +70,7 @@ def test_kv_pool_families_from_the_pool_shape(metrics):
     # A pool of turbo3 K and V at 3.25 bits a value, say 4680 bytes a token.
     metrics.kv.on_pool(
         num_pages=50, page_size=16, bytes_per_token=4680, k_dtype="turbo3", v_dtype="turbo3",
-        k_bits=3.25, v_bits=3.25, bf16_bytes_per_token=23040,
+        k_bits=3.25, v_bits=3.25, bf16_bytes_per_token=23040, recent_window=128, recent_window_bytes=7 << 20,
     )  # fmt: skip
     metrics.kv.on_pages_used(12)
     metrics.kv.on_request_freed(3)
@@ -86,6 +86,8 @@ def test_kv_pool_families_from_the_pool_shape(metrics):
     assert value("turboserve_kv_value_bitwidth", m, kind="k", dtype="turbo3") == 3.25
     assert value("turboserve_kv_compression_ratio", m) == pytest.approx(23040 / 4680)
     assert value("turboserve_kv_request_bytes_sum", m) == 3 * 16 * 4680
+    assert value("turboserve_kv_recent_window_tokens", m) == 128
+    assert value("turboserve_kv_recent_window_bytes", m) == 7 << 20
 
 
 def test_engine_step_records_batch_state_and_only_busy_steps_take_time(metrics):
