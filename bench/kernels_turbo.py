@@ -24,6 +24,8 @@ the correctness part writes real K/V through the store kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,7 @@ from server.kernels.turbo.attention import attention_over_decoded_pages, decode_
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import store_turbo
+from server.kernels.turbo.recent import RecentWindow
 from server.kernels.turbo.store import TurboKVStore
 
 PAGE = 16
@@ -170,6 +173,17 @@ def random_decode_inputs(batch: int, ctx: int, q_heads: int, kind: str, device):
     metas = [_meta([ctx] * batch, perm[i].contiguous()) for i in range(n_inputs)]
     qs = [torch.randn(batch, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
     return store, metas, qs, turbo_bytes
+
+
+def random_recent_decode_inputs(batch: int, ctx: int, q_heads: int, size: int, device):
+    """random_decode_inputs (turbo3) plus a bf16 recent window of ``size`` random rows per sequence, the sequences on
+    shuffled rows: (store, metas with recent_rows, qs, ring)."""
+    store, metas, qs, _ = random_decode_inputs(batch, ctx, q_heads, "turbo3", device)
+    ring = RecentWindow.empty(batch, size, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
+    ring.k.normal_()
+    ring.v.normal_()
+    rows = torch.randperm(batch, device=device).int()
+    return store, [dataclasses.replace(m, recent_rows=rows) for m in metas], qs, ring
 
 
 def _decode_case(batch: int, ctx: int, kind: str, device, configs, key_offset: bool = False,

@@ -9,7 +9,6 @@ tests' (tests/kernels/turbo/test_attention_cuda.py: the window against a float64
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -20,20 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kernels_turbo
 from bench.harness import require_gpu, time_ms
 from server.kernels.turbo import attention_cuda
-from server.kernels.turbo.recent import RecentWindow
 
 SHAPES = ((1, 4096), (1, 16384), (1, 65536), (8, 4096), (8, 16384), (8, 65536))  # batch, context
 Q_HEADS = 32
 
 
 def _shape_rows(batch: int, ctx: int, size: int, offsets: dict, device) -> None:
-    kv_heads, head_dim = kernels_turbo.KV_HEADS, kernels_turbo.HEAD_DIM
-    store, metas, qs, _ = kernels_turbo.random_decode_inputs(batch, ctx, Q_HEADS, "turbo3", device)
-    ring = RecentWindow.empty(batch, size, kv_heads, head_dim, torch.bfloat16, device)
-    ring.k.normal_()
-    ring.v.normal_()
-    rows = torch.randperm(batch, device=device).int()
-    metas = [dataclasses.replace(m, recent_rows=rows) for m in metas]
+    head_dim = kernels_turbo.HEAD_DIM
+    store, metas, qs, ring = kernels_turbo.random_recent_decode_inputs(batch, ctx, Q_HEADS, size, device)
     for name, offset in offsets.items():
         def decode(i, recent, offset=offset):
             out = attention_cuda.decode_attention_cuda(qs[i], store.k, store.v, metas[i], head_dim**-0.5,

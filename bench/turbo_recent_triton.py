@@ -133,12 +133,7 @@ def time_decode(device, offsets: dict) -> None:
           flush=True)
     print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for batch, ctx in SHAPES:
-        store, metas, qs, _ = kernels_turbo.random_decode_inputs(batch, ctx, Q_HEADS, "turbo3", device)
-        ring = RecentWindow.empty(batch, RECENT, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
-        ring.k.normal_()
-        ring.v.normal_()
-        rows = torch.randperm(batch, device=device).int()
-        metas = [dataclasses.replace(m, recent_rows=rows) for m in metas]
+        store, metas, qs, ring = kernels_turbo.random_recent_decode_inputs(batch, ctx, Q_HEADS, RECENT, device)
         splits = choose_splits(batch, KV_HEADS, ctx, device)
         for name, offset in offsets.items():
             def decode(i, recent, offset=offset, store=store, metas=metas, qs=qs):
