@@ -60,7 +60,8 @@ def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: i
     constants = dict(H_KV=8, GQA=gqa, GQA_PAD=max(16, triton.next_power_of_2(gqa)), PAGE_SIZE=16, D=head_dim,
                      G=group, LOG2_G=group.bit_length() - 1, K_BITS=bits_k, V_BITS=bits_v, BLOCK=block, F16=True,
                      ASM=True, K_ORDER=order.get((bits_k, head_dim), ()), V_ORDER=order.get((bits_v, head_dim), ()),
-                     V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())), OFFSET=offset is not None,
+                     V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())),
+                     K_UNDO=attention._inverse(order.get((bits_k, head_dim), ())), OFFSET=offset is not None,
                      P=offset or 0, PP=max(8, triton.next_power_of_2(offset or 0)), STORE=store,
                      STORE_OFFSET="none" if offset is None else "turned", RECENT=False)
     signature, constexprs, attrs = {}, {}, {}

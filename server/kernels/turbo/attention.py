@@ -310,12 +310,13 @@ def _accumulate(acc_t, alpha, p, v, D: tl.constexpr, GQA_PAD: tl.constexpr, H: t
 
 @triton.jit
 def _ring_tile(ring_ptr, ring_row, tok, valid, window, kv_head, H_KV: tl.constexpr, D: tl.constexpr,
-               OP: tl.constexpr, ROWS: tl.constexpr, ORDER: tl.constexpr):
+               OP: tl.constexpr):
     """The recent window's rows of positions tok [ROWS] as mma operands [ROWS, D]: index tok % W of the
-    sequence's ring row (recent.py), already rotated and exact, in the decoded tiles' column order."""
+    sequence's ring row (recent.py), already rotated and exact, in their natural column order (the ring's
+    program takes q back to it once instead of permuting every tile)."""
     at = ((ring_row * window + tok % window) * H_KV + kv_head) * D
     x = tl.load(ring_ptr + at[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-    return _permute_columns(x.to(OP), ROWS, D, ORDER)
+    return x.to(OP)
 
 
 @triton.jit
@@ -329,7 +330,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                    K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
                    P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr,
-                   RECENT: tl.constexpr):
+                   RECENT: tl.constexpr, K_UNDO: tl.constexpr):
     # STORE: the step's new K and V (NewTokens) are quantized here, not by a store launch before; STORE_OFFSET is
     # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET).
     # RECENT: positions j >= seq_len - window come from the recent window's ring (recent.py), not the pages.
@@ -409,19 +410,21 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                 valid, row, k_norm, v_norm = valid_next, row_next, k_norm_next, v_norm_next
         else:  # the same step over exact rows: the ring holds rotate(k - o(p)) like the pages, and no norms
             ring_row = tl.load(recent_rows_ptr + seq).to(tl.int64)
+            q_natural = _permute_columns(q, GQA_PAD, D, K_UNDO)
             for t0 in range(paged_len, seq_len, BLOCK):
                 tok = t0 + tl.arange(0, BLOCK)
                 valid = tok < seq_len
                 if OFFSET:
                     turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
-                k = _ring_tile(recent_k_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP, BLOCK, K_ORDER)
-                scores = _tile_scores(k, q, BLOCK, GQA_PAD, H)
+                k = _ring_tile(recent_k_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP)
+                scores = _tile_scores(k, q_natural, BLOCK, GQA_PAD, H)
                 if OFFSET:
                     scores = _offset_scores(scores, t0, table, turned, sink_extra, BLOCK, GQA_PAD, H, F16)
                 p, alpha, m, l = _softmax_step(scores, valid, m, l)
                 p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)
-                v = _ring_tile(recent_v_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP, BLOCK, V_ORDER)
+                v = _ring_tile(recent_v_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP)
                 acc_t = _accumulate(acc_t, alpha, p, v, D, GQA_PAD, H)
+            acc_t = tl.trans(_permute_columns(tl.trans(acc_t), H, D, V_ORDER))  # to V's order, which V_UNDO undoes
 
         acc = _permute_columns(tl.trans(acc_t), H, D, V_UNDO)  # back from V's column order
         h = tl.arange(0, H)
@@ -604,6 +607,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),
+            K_UNDO=_inverse(column_order.get((k_pages.bits, head_dim), ())),
             F16=q.dtype != torch.float32, ASM=inline_ptx(q.device),
             num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
             **({} if num_stages is None else {"num_stages": num_stages}),
