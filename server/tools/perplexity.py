@@ -181,7 +181,11 @@ def main(args: argparse.Namespace) -> int:
     from server.runtime.engine import Engine
 
     config = engine_config_from_args(args)
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except (ValueError, FileNotFoundError) as exc:  # bad flags or model path, as `serve` reports them
+        print(f"error: cannot start: {exc}", file=sys.stderr)
+        return 2
     try:
         result = measure_perplexity(engine, text, args.ctx, args.chunks, verbose=True)
     except PerplexityError as exc:

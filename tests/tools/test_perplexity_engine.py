@@ -102,6 +102,16 @@ def test_cli_missing_file_fails_before_loading_the_model(tmp_path):
     assert proc.returncode == 2 and "nope.txt: no such file" in proc.stderr, proc.stderr
 
 
+def test_cli_bad_engine_flags_are_a_clear_error_not_a_traceback(tmp_path):
+    src = tmp_path / "text.txt"
+    src.write_text("words " * 100)
+    cmd = [sys.executable, "-m", "server", "perplexity", "--device", "cpu", "--kv-cache-dtype", "turbo3",
+           "--kv-recent-window", "-5", "--file", str(src)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and "cannot start: recent window -5" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_kv_pool_too_small_for_one_window_is_a_clear_error(engine, text):
     from server.runtime.engine import Engine
     from server.runtime.models.loader import LoadedModel
