@@ -450,16 +450,20 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # RECENT: the ring's partial (slot 0, written when seq_len > 0) is read on its own, so 64 page splits still
+    # take one SPLIT_TILE pass (65 slots in tiles of 64 took two: the window's cost at batch 1 was mostly that).
+    ring = seq_len > 0
     if RECENT:
         paged_len = tl.maximum(seq_len - window, 0)
-        part0 = (seq * tl.num_programs(1) + head) * (num_splits + 1)
-        used = tl.minimum(tl.cdiv(paged_len, _split_tokens(paged_len, num_splits, BLOCK)), num_splits) + \
-            (seq_len > 0).to(tl.int32)
+        ring_part = (seq * tl.num_programs(1) + head) * (num_splits + 1)
+        part0 = ring_part + 1
+        used = tl.minimum(tl.cdiv(paged_len, _split_tokens(paged_len, num_splits, BLOCK)), num_splits)
+        m_max = tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf"))
     else:
         part0 = (seq * tl.num_programs(1) + head) * num_splits
         used = tl.minimum(tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, BLOCK)), num_splits)  # splits that wrote
+        m_max = float("-inf")
     tile = tl.arange(0, SPLIT_TILE)
-    m_max = float("-inf")
     for s0 in range(0, used, SPLIT_TILE):
         m_max = tl.maximum(m_max, tl.max(tl.load(part_m_ptr + part0 + s0 + tile, mask=s0 + tile < used,
                                                  other=float("-inf"))))
@@ -467,6 +471,10 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr
 
     out = tl.zeros((D,), tl.float32)
     denom = 0.0
+    if RECENT:
+        w = tl.exp2(tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf")) - m_max)
+        denom = w * tl.load(part_l_ptr + ring_part, mask=ring, other=0.0)
+        out = w * tl.load(part_acc_ptr + ring_part * D + tl.arange(0, D), mask=ring, other=0.0)
     for s0 in range(0, used, SPLIT_TILE):
         present = s0 + tile < used
         w = tl.exp2(tl.load(part_m_ptr + part0 + s0 + tile, mask=present, other=float("-inf")) - m_max)
