@@ -472,9 +472,9 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr
     out = tl.zeros((D,), tl.float32)
     denom = 0.0
     if RECENT:
-        w = tl.exp2(tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf")) - m_max)
-        denom = w * tl.load(part_l_ptr + ring_part, mask=ring, other=0.0)
-        out = w * tl.load(part_acc_ptr + ring_part * D + tl.arange(0, D), mask=ring, other=0.0)
+        w_ring = tl.exp2(tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf")) - m_max)
+        denom = w_ring * tl.load(part_l_ptr + ring_part, mask=ring, other=0.0)
+        out = w_ring * tl.load(part_acc_ptr + ring_part * D + tl.arange(0, D), mask=ring, other=0.0)
     for s0 in range(0, used, SPLIT_TILE):
         present = s0 + tile < used
         w = tl.exp2(tl.load(part_m_ptr + part0 + s0 + tile, mask=present, other=float("-inf")) - m_max)
