@@ -38,7 +38,7 @@ SETTINGS = [(16, 4), (32, 4), (64, 8)]  # (rows per tile, warps)
 def store_loop(bits: int, rows: int, warps: int) -> tuple[list[str], dict]:
     constants = {"H": 8, "PAGE_SIZE": 16, "ROWS": rows, "D": 128, "G": 128, "LOG2_G": 7, "K_BITS": bits,
                  "V_BITS": bits, "K_OFFSET": "turned", "STAGES": 1, "ASM": True,
-                 "RECENT": False}
+                 "RECENT": False, "USE_PDL": False}
     fn = quantize._store_kernel
     signature, constexprs = {}, {}
     for name, param in zip(fn.arg_names, fn.params):
