@@ -23,11 +23,12 @@ long chunk would overwrite positions its first queries still read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.rotation import rotate_reference
+from server.kernels.rotation import rotate, rotate_reference
 from server.kernels.turbo.format import dequantize_reference, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 
@@ -58,21 +59,25 @@ def recent_values(x: torch.Tensor, positions: torch.Tensor, key_offset: KeyOffse
     x = x.float()
     if key_offset is not None:
         x = x - key_offset_at(key_offset, positions)
-    return rotate_reference(x, group_size(x.shape[-1])).to(dtype)
+    return rotate(x, group_size(x.shape[-1])).to(dtype)
+
+
+def _query_starts(meta: AttentionMetadata) -> list[int]:
+    """Each sequence's first row of q, from the host lengths (query_start_loc lives on the device)."""
+    return list(accumulate(meta.query_lens_cpu, initial=0))[:-1]
 
 
 def written_tokens(meta: AttentionMetadata, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows of q, their ring slots row * W + p % W) of the tokens a step leaves in the ring: each sequence's
     last W positions of this step (earlier ones of a long chunk would be overwritten by later ones)."""
-    starts, rows_of_seq = meta.query_start_loc.tolist(), meta.recent_rows.tolist()
     tokens, slots = [], []
-    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        first = max(seq_len - q_len, seq_len - size)
-        for p in range(first, seq_len):
-            tokens.append(starts[s] + p - (seq_len - q_len))
-            slots.append(rows_of_seq[s] * size + p % size)
+    for start, row, seq_len, q_len in zip(_query_starts(meta), meta.recent_rows.tolist(), meta.seq_lens_cpu,
+                                          meta.query_lens_cpu):
+        positions = torch.arange(max(seq_len - q_len, seq_len - size), seq_len)
+        tokens.append(start + positions - (seq_len - q_len))
+        slots.append(row * size + positions % size)
     device = meta.query_start_loc.device
-    return torch.tensor(tokens, dtype=torch.long, device=device), torch.tensor(slots, dtype=torch.long, device=device)
+    return torch.cat(tokens).to(device), torch.cat(slots).to(device)
 
 
 def write_recent(recent: RecentWindow, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -99,7 +104,7 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
     page_size, kv_heads = k_pages.codes.shape[2], k_pages.codes.shape[1]
     gqa = q.shape[1] // kv_heads
     out = torch.empty_like(q)
-    starts, rows_of_seq = meta.query_start_loc.tolist(), meta.recent_rows.tolist()
+    starts, rows_of_seq = _query_starts(meta), meta.recent_rows.tolist()
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         if q_len == 0:
             continue
@@ -137,13 +142,14 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
 def exact_pages(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, meta: AttentionMetadata, recent: RecentWindow,
                 step_k_rows: torch.Tensor, step_v_rows: torch.Tensor,
                 key_offset: KeyOffset | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of decoded pages k, v [pages, page_size, kv_heads, D] (original domain, keys with o(p) back when
-    ``key_offset`` is given; addressed through ``tables``, meta's sequences) holding the exact values at every
+    """Pages shaped as the decoded pages k, v [pages, page_size, kv_heads, D] (original domain, keys with o(p) back
+    when ``key_offset`` is given; addressed through ``tables``, meta's sequences) holding the exact values at every
     position a query of this step reads exactly: [first query - W + 1, seq_len) of each sequence, from the ring
-    as the step found it before the chunk and from the step's rows (recent_values) in it. The other rows keep
-    k's and v's, so the dense prefill's second source (dense_attention.paged_prefill ``exact``) stays finite."""
+    as the step found it before the chunk and from the step's rows (recent_values) in it. The other rows are
+    zero: the dense prefill (dense_attention.paged_prefill ``exact``) reads them only where its mask drops them,
+    so they need only be finite."""
     page_size, size, device = k.shape[1], recent.size, k.device
-    starts, rows_of_seq = meta.query_start_loc.tolist(), meta.recent_rows.tolist()
+    starts, rows_of_seq = _query_starts(meta), meta.recent_rows.tolist()
     ring_pos, ring_seqs, ring_slots, step_pos, step_seqs, step_tokens = [], [], [], [], [], []
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         first = seq_len - q_len
@@ -162,10 +168,10 @@ def exact_pages(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, meta: At
     out = []
     for pages, ring, rows in ((k, recent.k, step_k_rows), (v, recent.v, step_v_rows)):
         flat_ring = ring.view(-1, *ring.shape[2:])
-        values = rotate_reference(torch.cat([flat_ring[ring_slots], rows[step_tokens]]), group, inverse=True)
+        values = rotate(torch.cat([flat_ring[ring_slots], rows[step_tokens]]).float(), group, inverse=True)
         if pages is k and key_offset is not None:
             values = values + key_offset_at(key_offset, positions)
-        exact = pages.clone()
+        exact = torch.zeros_like(pages)
         exact.view(-1, *pages.shape[2:])[slots] = values.to(pages.dtype)
         out.append(exact)
     return out[0], out[1]

@@ -211,41 +211,40 @@ class TurboKVStore:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
         key_offset = self.key_offset if self.offset_turns else None
-        if self.recent is not None:
-            return self._attend_with_recent(q, meta, scale, key_offset)
+        step = self._step_of_window(meta) if self.recent is not None else None
         if use_triton(q) and meta.is_decode_only:
+            if step is not None:
+                self._store(step, meta.recent_rows)  # the token's pages and window row first: the kernels read both
             if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:  # where it runs (supports)
-                out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset)
+                out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset,
+                                            recent=self.recent)
                 if out is not None:
                     return out
             new_tokens = self._fusable(q, meta)  # self._k / _v below: their pending token is the kernel's to store
             return decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
-                                           new_tokens=new_tokens)
+                                           new_tokens=new_tokens, recent=self.recent)
+        if step is not None:
+            return self._attend_with_window(q, meta, scale, key_offset, step)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)
 
-    def _attend_with_recent(self, q: torch.Tensor, meta: AttentionMetadata, scale: float,
-                            key_offset: KeyOffset | None) -> torch.Tensor:
-        """Attention that reads each query's last W positions from the recent window (recent.py)."""
-        new, self._pending = self._pending, None
-        if new is None or meta.recent_rows is None:
+    def _step_of_window(self, meta: AttentionMetadata) -> NewTokens:
+        """The step's pending write, which a store with a recent window keeps for attend (recent.py says when the
+        window is written)."""
+        step, self._pending = self._pending, None
+        if step is None or meta.recent_rows is None:
             raise ValueError("a turbo store with a recent window attends right after the step's write, and needs "
                              "meta.recent_rows (each sequence's window row)")
-        if use_triton(q) and meta.is_decode_only:
-            self._store(new, meta.recent_rows)  # the token's pages and window row first: the kernels read both
-            out = None
-            if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:
-                out = decode_attention_cuda(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
-                                            recent=self.recent)
-            if out is None:
-                out = decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
-                                              recent=self.recent)
-            return out
-        # Prefill (or a reference decode): the ring as the step found it, the step's own rows beside it.
-        self._store(new)
+        return step
+
+    def _attend_with_window(self, q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            key_offset: KeyOffset | None, step: NewTokens) -> torch.Tensor:
+        """Prefill (or a reference decode) with a recent window: the ring as the step found it, the step's own rows
+        beside it; the ring is written after."""
+        self._store(step)
         dtype = self.recent.k.dtype
-        k_rows = recent_values(new.k, new.positions, new.key_offset, dtype)
-        v_rows = recent_values(new.v, new.positions, None, dtype)
+        k_rows = recent_values(step.k, step.positions, step.key_offset, dtype)
+        v_rows = recent_values(step.v, step.positions, None, dtype)
         if use_triton(q):
             out = attention_over_decoded_pages(q, self._k, self._v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                                page_dtype=self.out_dtype, recent=(self.recent, k_rows, v_rows))

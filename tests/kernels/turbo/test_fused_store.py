@@ -183,7 +183,8 @@ def test_a_prefill_a_foreign_decode_and_the_cuda_decode_store_the_pending_write_
     seen = []
     monkeypatch.setattr(store_module, "CUDA_DECODE_MIN_WORK", 1)
     monkeypatch.setattr(store_module, "decode_attention_cuda",
-                        lambda *args: seen.append(store._pending is None and torch.equal(args[1].codes, plain.k.codes)))
+                        lambda *args, **kwargs: seen.append(store._pending is None
+                                                            and torch.equal(args[1].codes, plain.k.codes)))
     store.attend(q, meta, 0.125)
     assert seen == [True] and calls == {"store": 1, "fused": 0}, "the CUDA C decode must see the pages written"
 

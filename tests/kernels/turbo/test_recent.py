@@ -210,3 +210,40 @@ def test_the_dense_prefill_over_decoded_and_exact_pages_matches_the_reference(ke
     want = attention_with_recent_reference(qs, store.k, store.v, "turbo3", "turbo3", store.recent, k_rows, v_rows,
                                            meta, 0.125, added)  # fmt: skip
     torch.testing.assert_close(fast, want, rtol=0, atol=2e-4)
+
+
+def test_a_long_chunk_writes_only_its_last_w_tokens_each_to_its_own_slot():
+    from server.kernels.turbo.recent import written_tokens
+
+    lengths, q_lens, rows, window = [20, 7, 3], [12, 1, 3], [2, 0, 1], 5
+    meta = AttentionMetadata(torch.zeros(16, dtype=torch.long), torch.zeros(3, 5, dtype=torch.int32),
+                             torch.tensor(lengths, dtype=torch.int32), torch.tensor([0, 12, 13, 16], dtype=torch.int32),
+                             lengths, q_lens, recent_rows=torch.tensor(rows, dtype=torch.int32))  # fmt: skip
+    tokens, slots = written_tokens(meta, window)
+    # Sequence 0: positions 15..19 are q rows 7..11; sequence 1: position 6 is row 12; sequence 2: 0..2 are 13..15.
+    assert tokens.tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert slots.tolist() == [2 * 5 + p % 5 for p in range(15, 20)] + [0 * 5 + 6 % 5] + [1 * 5 + p for p in range(3)]
+
+
+def test_a_decode_step_on_the_fast_path_stores_pages_and_window_in_one_launch_before_the_kernel(monkeypatch):
+    """The dispatch of TurboKVStore.attend on a GPU, with the kernels replaced by recorders (their own tests check
+    them): the step's token goes to the pages and the window first, then a decode that reads the window."""
+    from server.kernels.turbo import store as store_module
+
+    calls = []
+    monkeypatch.setattr(store_module, "use_triton", lambda t: True)
+    monkeypatch.setattr(store_module, "store_turbo", lambda *a, **kw: calls.append(("store", kw)))
+    monkeypatch.setattr(store_module, "decode_attention_cuda", lambda *a, **kw: calls.append(("cuda", kw)))
+    monkeypatch.setattr(store_module, "decode_attention_triton",
+                        lambda q, *a, **kw: calls.append(("triton", kw)) or torch.zeros_like(q))  # fmt: skip
+    monkeypatch.setattr(store_module, "CUDA_DECODE_MIN_WORK", 1)  # the CUDA C kernel is asked first (and declines)
+    store = make_store(1, 64, 4)
+    meta = AttentionMetadata(torch.tensor([5]), torch.tensor([[0, 1]], dtype=torch.int32),
+                             torch.tensor([6], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), [6], [1],
+                             recent_rows=torch.tensor([2], dtype=torch.int32))  # fmt: skip
+    store.write(torch.randn(1, 1, 64), torch.randn(1, 1, 64), meta.slot_mapping, torch.tensor([5]))
+    store.attend(torch.randn(1, 1, 64), meta, 0.125)
+    assert [name for name, _ in calls] == ["store", "cuda", "triton"]
+    assert calls[0][1]["recent"] is store.recent and calls[0][1]["recent_rows"] is meta.recent_rows
+    assert calls[1][1]["recent"] is store.recent
+    assert calls[2][1]["recent"] is store.recent and calls[2][1]["new_tokens"] is None

@@ -101,12 +101,14 @@ def oracle(q, store, meta, keys, values, window, scale):
 
 def reference(q, store, recent, meta, step_k, step_v, scale):
     """attention_with_recent_reference over the rows with a token (it has no seq_len-0 decode row)."""
-    live = [n > 0 for n in meta.seq_lens_cpu]
-    ref_meta = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 meta.seq_lens_cpu, [int(x) for x in live], recent_rows=meta.recent_rows)
-    out = attention_with_recent_reference(q, store.k, store.v, store.k_kind, store.v_kind, recent, step_k, step_v,
-                                          ref_meta, scale, store.key_offset)
-    return out[torch.tensor(live)], torch.tensor(live)
+    live = torch.tensor([n > 0 for n in meta.seq_lens_cpu])
+    n = int(live.sum())
+    ref_meta = AttentionMetadata(meta.slot_mapping[live], meta.block_tables[live], meta.seq_lens[live],
+                                 torch.arange(n + 1, dtype=torch.int32), [s for s in meta.seq_lens_cpu if s > 0],
+                                 [1] * n, recent_rows=meta.recent_rows[live])  # fmt: skip
+    out = attention_with_recent_reference(q[live], store.k, store.v, store.k_kind, store.v_kind, recent, step_k[live],
+                                          step_v[live], ref_meta, scale, store.key_offset)
+    return out, live
 
 
 CASES = [  # head_dim, gqa, k_kind, v_kind, W, turned pairs (None: no key offset, "all": every pair), splits, block
