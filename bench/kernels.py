@@ -1,4 +1,4 @@
-"""GPU kernel benchmarks: `python bench/kernels.py {turbo,experts,all}`.
+"""GPU kernel benchmarks: `python bench/kernels.py {turbo,experts,rotation,all}`.
 
 Each suite lives in its own module (bench/kernels_turbo.py, bench/kernels_experts.py) and
 exposes ``run(device, copy_gbs) -> (title, rows)``; this dispatcher measures the device copy
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import BENCHMARKS_DOC, copy_bandwidth_gbs, report, require_gpu  # noqa: E402
 
-SUITES = {"turbo": "bench.kernels_turbo", "experts": "bench.kernels_experts"}
+SUITES = {"turbo": "bench.kernels_turbo", "experts": "bench.kernels_experts", "rotation": "bench.kernels_rotation"}
 
 
 def main(argv: list[str] | None = None) -> int:

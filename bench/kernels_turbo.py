@@ -29,10 +29,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from bench import kernels_rotation
 from bench.harness import Row, rotation_count, time_ms
 from server.config import DEFAULT_KV_KEY_TURNED_PAIRS
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.rotation import rotate_mma, rotate_reference, rotate_triton
 from server.kernels.turbo import attention, attention_cuda
 from server.kernels.turbo.attention import attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.format import RowLayout, quantize_reference, unpack_indices
@@ -56,8 +56,7 @@ CHECK_CASES = [  # head_dim, GQA, K kind, V kind, context lengths (2 KV heads)
     (64, 3, "turbo4", "turbo2", [2000, 16, 15]), (256, 2, "turbo3", "turbo4", [1500, 2]),
 ]
 LONG_OFFSET_CASE = (128, 4, "turbo3", "turbo3", [131072, 70001, 3])  # angles up to 1.3e5 rad, with the offset only
-ROTATION_ROWS, STORE_TOKENS = 1 << 19, 32768
-MMA_LAUNCHES = ((64, 4, 4), (128, 2, 4), (128, 2, 8), (64, 8, 4), (32, 8, 2), (256, 1, 8))
+STORE_TOKENS = 32768
 ENGINE_TURNED_PAIRS = DEFAULT_KV_KEY_TURNED_PAIRS  # the engine's default key offset: partial on 8 pairs
 
 
@@ -108,14 +107,7 @@ def check_correctness(device: torch.device) -> list[str]:
         if not ok:
             failures.append(name)
 
-    x = torch.randn(4096, 256, generator=gen).to(device)
-    for group in (64, 128):
-        diff = (rotate_triton(x, group) - rotate_reference(x, group)).abs().max().item()
-        verdict(f"rotation G={group} fp32", diff == 0.0, f"max |triton - reference| = {diff:.3g} (want bit-identical)")
-        xb = x.bfloat16()
-        mismatch = (rotate_mma(xb, group) != rotate_reference(xb, group).bfloat16()).float().mean().item()
-        verdict(f"rotation G={group} bf16 tensor cores", mismatch < 0.01,
-                f"{mismatch:.2e} of outputs differ from the reference by float32 summation order (want < 1e-2)")
+    kernels_rotation.check(device, verdict)
 
     cases = [(case, None) for case in CHECK_CASES] + [
         (case, engine_key_offset(2, case[0], device, gen, theta)) for case, theta in
@@ -266,21 +258,7 @@ def engine_slots(tokens: int, num_pages: int, page: int, device, gen: torch.Gene
 
 
 def _rotation_and_store_rows(device) -> list[Row]:
-    rows = []
-    x = torch.randn(ROTATION_ROWS, 128, device=device, dtype=torch.bfloat16)
-    copy_dst = torch.empty_like(x)
-    copy_ms = time_ms(lambda _: copy_dst.copy_(x), device=device)
-    for group in (64, 128):
-        name = f"rotation bf16 G={group}, {x.numel() >> 20}M values"
-        for rows_per_program, programs_per_sm, warps in MMA_LAUNCHES:  # the first is rotate()'s default
-            ms = time_ms(lambda _: rotate_mma(x, group, rows_per_program=rows_per_program,
-                                              programs_per_sm=programs_per_sm, num_warps=warps), device=device)
-            rows.append(Row(name, ms, copy_ms, 2 * x.numel() * 2, "copy of the same tensor",
-                            f"tensor cores (rotate_mma): {rows_per_program} rows a tile, {programs_per_sm} programs "
-                            f"per SM, {warps} warps"))
-        ms = time_ms(lambda _: rotate_triton(x, group), device=device)
-        rows.append(Row(name, ms, copy_ms, 2 * x.numel() * 2, "copy of the same tensor",
-                        "butterflies (rotate_triton, bit for bit the reference), 4096 values per program"))
+    rows = kernels_rotation.rows(device)
     tokens = STORE_TOKENS
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
