@@ -12,12 +12,9 @@ a set bit meaning -1. A sign is applied by flipping the float's sign bit, which 
 bit-identical to multiplying by -1 for every finite value (spec, "Rotation").
 
 The rotation is linear and orthogonal, so it does not normalize: callers that want the
-unit-vector form divide by the norm themselves. Two GPU bodies: the butterflies (rotate_triton)
-round every value exactly where the reference does (same float32 sums in the same stage order,
-written in forms whose results are identical: see fwht_rows and rotate_rows), so the two agree
-bit for bit; fused kernels (the KV store, the experts' activation quantizer) inline them. The
-standalone op on fp16/bf16 takes the tensor cores instead (rotate_mma: x times the ±1 matrix
-D1 H D2), which is exact up to float32 summation order and spends no issue slots on butterflies.
+unit-vector form divide by the norm themselves. The Triton body rounds every value exactly
+where the reference does (same float32 sums in the same stage order, written in forms whose
+results are identical: see fwht_rows and rotate_rows), so the two agree bit for bit.
 
 Shared by the TurboQuant KV cache and the expert-weight formats.
 """
@@ -32,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.kernels.backend import multiprocessors, use_triton
+from server.kernels.backend import use_triton
 from server.kernels.timing import timed
 
 # The spec's tables (also used by the llama.cpp TurboQuant forks): 128 signs each.
@@ -119,23 +116,18 @@ def inv_sqrt_group(group: int) -> float:
 
 
 @triton.jit
-def sign_bits_at(words_ptr, e, GROUP: tl.constexpr):
-    """0/1 int32 of e's shape: bit (e & 31) of packed word e >> 5 (1 means -1), for 0 <= e < GROUP.
+def sign_masks(words_ptr, GROUP: tl.constexpr):
+    """[1, GROUP] int32 with only bit 31 set where bit e of the packed words is set (1 means -1).
 
     The words (one per 32 elements) are read as scalars and picked per element: a vector load
     indexed by e >> 5 is a separate layout anchor that Triton converts to x's layout through
     shared memory, with barriers (seen in the sm_90 SASS for G = 128).
     """
-    word = tl.zeros_like(e)
+    e = tl.arange(0, GROUP)[None, :]
+    word = tl.zeros((1, GROUP), tl.int32)
     for w in tl.static_range((GROUP + 31) // 32):
         word = tl.where((e >> 5) == w, tl.load(words_ptr + w), word)
-    return (word >> (e & 31)) & 1
-
-
-@triton.jit
-def sign_masks(words_ptr, GROUP: tl.constexpr):
-    """[1, GROUP] int32 with only bit 31 set where bit e of the packed words is set (1 means -1)."""
-    return sign_bits_at(words_ptr, tl.arange(0, GROUP)[None, :], GROUP) << 31
+    return ((word >> (e & 31)) & 1) << 31
 
 
 @triton.jit
@@ -187,74 +179,6 @@ def _rotate_kernel(x_ptr, out_ptr, first_ptr, second_ptr, n_rows, inv_sqrt,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def signed_hadamard(first_ptr, second_ptr, GROUP: tl.constexpr):
-    """[GROUP, GROUP] float32 D_first · H · D_second, entries ±1, so a row x times it is (D_second H D_first x)^T
-    (H is symmetric). H[i, j] = (-1)^popcount(i & j) in Sylvester natural order; GROUP <= 256."""
-    i = tl.arange(0, GROUP)[:, None]
-    j = tl.arange(0, GROUP)[None, :]
-    parity = i & j
-    parity ^= parity >> 4
-    parity ^= parity >> 2
-    parity ^= parity >> 1
-    negative = (parity ^ sign_bits_at(first_ptr, i, GROUP) ^ sign_bits_at(second_ptr, j, GROUP)) & 1
-    return tl.where(negative != 0, -1.0, 1.0)
-
-
-@triton.jit
-def _rotate_mma_kernel(x_ptr, out_ptr, first_ptr, second_ptr, n_rows, inv_sqrt,
-                       ROWS: tl.constexpr, GROUP: tl.constexpr):
-    # Persistent: each program builds the ±1 matrix once, in x's dtype (exact), and streams row tiles through
-    # the tensor cores; products are exact and accumulate in float32.
-    matrix = signed_hadamard(first_ptr, second_ptr, GROUP).to(x_ptr.dtype.element_ty)
-    cols = tl.arange(0, GROUP)[None, :]
-    for block in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
-        rows = block * ROWS + tl.arange(0, ROWS)
-        offs = rows[:, None].to(tl.int64) * GROUP + cols
-        mask = rows[:, None] < n_rows
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        y = tl.dot(x, matrix) * inv_sqrt
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-MMA_DTYPES = (torch.float16, torch.bfloat16)
-MMA_GROUPS = (16, 32, 64, 128)  # tl.dot needs 16 or more; 256 would hold a 128 KB matrix per program
-
-
-def rotate_mma(
-    x: torch.Tensor,
-    group: int,
-    inverse: bool = False,
-    signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2),
-    rows_per_program: int = 64,
-    programs_per_sm: int = 4,
-    num_warps: int = 4,
-) -> torch.Tensor:
-    """Tensor-core body of ``rotate`` for fp16/bf16 x: one product with the ±1 matrix D1 H D2 per row tile.
-
-    Every product is exact (a 16-bit float times ±1) and the sums are float32, so it differs from the
-    butterflies (rotate_triton, bit for bit the reference) only in float32 summation order: at most an ulp of
-    the output dtype, where the float32 value sits on a rounding boundary.
-    """
-    check_group(group, signs)
-    if x.dtype not in MMA_DTYPES or group not in MMA_GROUPS:
-        raise ValueError(f"rotate_mma takes float16/bfloat16 and groups {MMA_GROUPS}, got {x.dtype}, {group}")
-    if x.shape[-1] % group:
-        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
-    first, second = (signs[1], signs[0]) if inverse else (signs[0], signs[1])
-    src = x.contiguous()
-    out = torch.empty_like(src)
-    n_rows = src.numel() // group
-    if n_rows:
-        programs = min(triton.cdiv(n_rows, rows_per_program), multiprocessors(x.device) * programs_per_sm)
-        with timed("rotation", x.device):
-            _rotate_mma_kernel[(programs,)](
-                src, out, _device_words(tuple(first), x.device), _device_words(tuple(second), x.device),
-                n_rows, inv_sqrt_group(group), ROWS=rows_per_program, GROUP=group, num_warps=num_warps,
-            )
-    return out
-
-
 def rotate_triton(
     x: torch.Tensor,
     group: int,
@@ -295,7 +219,5 @@ def rotate(
     forward rotation (up to float rounding).
     """
     if use_triton(x):
-        if x.dtype in MMA_DTYPES and group in MMA_GROUPS:
-            return rotate_mma(x, group, inverse, signs)
         return rotate_triton(x, group, inverse, signs)
     return rotate_reference(x, group, inverse, signs).to(x.dtype)

@@ -10,7 +10,6 @@ from server.kernels.rotation import (
     SIGNS2,
     flip_signs,
     rotate,
-    rotate_mma,
     rotate_reference,
     rotate_triton,
     sign_bits,
@@ -97,70 +96,6 @@ def test_triton_bits_on_signed_zeros_and_subnormals(group):
         got = rotate_triton(x, group, inverse)
         assert same_bits(got, expect), (got.view(torch.int32) != expect.view(torch.int32)).sum()
         assert (expect.view(torch.int32) == torch.tensor(-(2**31), dtype=torch.int32)).any()  # a -0.0 was produced
-
-
-def half_ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half a unit in the last place of ``dtype`` at |v| (float64), normal numbers."""
-    exponent = torch.frexp(v.abs().clamp_min(torch.finfo(dtype).tiny)).exponent  # v = m * 2^e, m in [0.5, 1)
-    return torch.ldexp(torch.full_like(v, torch.finfo(dtype).eps), exponent - 2)
-
-
-def check_mma_against_float64(x: torch.Tensor, group: int, inverse: bool, **launch) -> None:
-    r = rotation_matrix(group).to(x.device)
-    r = r.T if inverse else r
-    groups = x.double().reshape(-1, group)
-    oracle = (groups @ r.T).reshape(x.shape)
-    # float32 sums of exact products: at most group roundings of 2^-24 each on the sum of |terms|
-    float32_slack = (group * 2.0**-24 * (groups.abs() @ r.abs().T)).reshape(x.shape)
-    got = rotate_mma(x, group, inverse, **launch)
-    assert got.dtype == x.dtype and got.shape == x.shape
-    error = (got.double() - oracle).abs()
-    assert (error <= half_ulp(oracle, x.dtype) + float32_slack).all(), error.max()
-    butterflies = rotate_reference(x, group, inverse).to(x.dtype)
-    assert (got != butterflies).float().mean() < 0.01  # the two differ only where float32 order tips a rounding
-
-
-def check_mma_signs(group: int, dtype: torch.dtype, device: str) -> None:
-    # Rotating the identity gives every entry of D2 H D1 / sqrt(G) (transposed): all G^2 signs checked.
-    scale = torch.tensor(1.0 / math.sqrt(group), dtype=dtype).double()
-    for inverse, signs in ((False, (SIGNS1, SIGNS2)), (True, (SIGNS1, SIGNS2)), (False, (SIGNS2, SIGNS1))):
-        got = rotate_mma(torch.eye(group, dtype=dtype, device=device), group, inverse, signs).double().cpu()
-        r = rotation_matrix(group, signs)
-        expect = torch.sign((r.T if inverse else r).T)
-        assert torch.equal(torch.sign(got), expect)
-        assert torch.equal(got.abs(), scale.expand_as(got))
-
-
-# The interpreter's bf16 arithmetic is wrong (shared/ENVIRONMENT.md): fp16 here, bf16 in the GPU tests below.
-@pytest.mark.parametrize("group", [16, 64, 128])
-@pytest.mark.parametrize("inverse", [False, True])
-def test_mma_is_the_float64_rotation_rounded_once(group, inverse):
-    # 150 rows at 16 a tile over 4 programs: each program loops over several tiles, the last one part-masked.
-    x = torch.randn(5, 30 * 64 // group, group, dtype=torch.float64) * 10.0 ** torch.randint(-2, 3, (5, 1, 1))
-    check_mma_against_float64(x.reshape(5, -1).half(), group, inverse, rows_per_program=16, programs_per_sm=1)
-
-
-@pytest.mark.parametrize("group", [16, 64, 128])
-def test_mma_matrix_has_every_sign_right(group):
-    check_mma_signs(group, torch.float16, "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mma_on_the_gpu(group, dtype):
-    for inverse in (False, True):
-        x = torch.randn(3001, 8, 128, dtype=torch.float64) * 10.0 ** torch.randint(-2, 3, (3001, 1, 1))
-        check_mma_against_float64(x.to(dtype).cuda(), group, inverse)
-    check_mma_signs(group, dtype, "cuda")
-
-
-def test_mma_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="float16/bfloat16"):
-        rotate_mma(torch.zeros(2, 64), 64)
-    with pytest.raises(ValueError, match="groups"):
-        rotate_mma(torch.zeros(2, 256, dtype=torch.bfloat16), 256, signs=WIDE)
-    assert rotate_mma(torch.zeros(0, 128, dtype=torch.float16), 128).shape == (0, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
