@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.e2e import SHAPES, build_random_model  # noqa: E402
 from bench.kernels_turbo import engine_key_offset  # noqa: E402
-from server.config import DEFAULT_KV_KEY_TURNED_PAIRS  # noqa: E402
+from server.config import DEFAULT_KV_KEY_TURNED_PAIRS, DEFAULT_KV_RECENT_WINDOW  # noqa: E402
 from server.kernels.paged_kv import DenseKVStore  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 from server.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -37,8 +37,9 @@ STEPS = 8  # profiled replays
 DEPTH_SLACK = 33  # bench/e2e.py's depth rows: max_model_len = depth + 32 timed tokens + 1
 
 
-def make_stores(cfg, kind: str, num_pages: int, dev: torch.device) -> list:
-    """One store per layer, every page random (turbo: valid codes, norms around a key's size)."""
+def make_stores(cfg, kind: str, num_pages: int, dev: torch.device, window: int) -> list:
+    """One store per layer, every page random (turbo: valid codes, norms around a key's size; a recent-window row
+    of ``window`` tokens for the one sequence, random too, unless 0)."""
     stores = []
     gen = torch.Generator().manual_seed(0)
     for _ in range(cfg.num_layers):
@@ -47,7 +48,11 @@ def make_stores(cfg, kind: str, num_pages: int, dev: torch.device) -> list:
             store.k_pages.normal_()
             store.v_pages.normal_()
         else:
-            store = TurboKVStore(num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, kind, kind, dev, torch.bfloat16)
+            store = TurboKVStore(num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, kind, kind, dev, torch.bfloat16,
+                                 recent=(1, window) if window else (0, 0))
+            if store.recent is not None:
+                store.recent.k.normal_()
+                store.recent.v.normal_()
             store.set_key_offset(engine_key_offset(cfg.num_kv_heads, cfg.head_dim, dev, gen, cfg.rope_theta,
                                                    DEFAULT_KV_KEY_TURNED_PAIRS))
             for pages in (store.k, store.v):
@@ -83,12 +88,12 @@ def kernel_table(prof, steps: int) -> int:
     return len(evs)
 
 
-def profile_case(loaded, kind: str, depth: int, dev: torch.device) -> None:
+def profile_case(loaded, kind: str, depth: int, dev: torch.device, window: int) -> None:
     cfg = loaded.config
     max_model_len = depth + DEPTH_SLACK
     seq_len = depth + 16
     max_pages = -(-max_model_len // PAGE)
-    stores = make_stores(cfg, kind, max_pages + 1, dev)
+    stores = make_stores(cfg, kind, max_pages + 1, dev, window)
     graphs = DecodeGraphs(loaded.model, stores, 1, max_pages, max_model_len, dev)
     graphs.capture()
     table = torch.arange(-(-seq_len // PAGE), dtype=torch.int32)[None].numpy()
@@ -98,8 +103,9 @@ def profile_case(loaded, kind: str, depth: int, dev: torch.device) -> None:
     def step():
         return model.compute_logits(graphs.run_host(*args)).argmax(-1).tolist()
 
-    print(f"{cfg.num_layers} layers, {kind} KV, depth {depth} (seq_len {seq_len}, graph planned for {max_model_len}):",
-          flush=True)
+    ring = f", recent window {window}" if kind != "bf16" and window else ""
+    print(f"{cfg.num_layers} layers, {kind} KV{ring}, depth {depth} (seq_len {seq_len}, graph planned for "
+          f"{max_model_len}):", flush=True)
     with torch.inference_mode():
         for _ in range(5):
             step()
@@ -148,16 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo3")
     p.add_argument("--depth", default="300", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 16384,65536")
+    p.add_argument("--kv-recent-window", default=str(DEFAULT_KV_RECENT_WINDOW),
+                   type=lambda s: [int(x) for x in s.split(",")], help="turbo kinds: e.g. 0,128 (default: the engine's)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     loaded = build_random_model(SHAPES[args.shape], dev, torch.bfloat16)
     for kind in args.kv_cache_dtype:
         for depth in args.depth:
-            try:
-                profile_case(loaded, kind, depth, dev)
-            except Exception as exc:  # report and go on: one failing case must not cost the others
-                print(f"{kind} @ {depth}: FAILED {exc!r}", flush=True)
-            torch.cuda.empty_cache()
+            for window in args.kv_recent_window if kind != "bf16" else [0]:
+                try:
+                    profile_case(loaded, kind, depth, dev, window)
+                except Exception as exc:  # report and go on: one failing case must not cost the others
+                    print(f"{kind} @ {depth}, window {window}: FAILED {exc!r}", flush=True)
+                torch.cuda.empty_cache()
     return 0
 
 
