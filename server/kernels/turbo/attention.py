@@ -25,9 +25,8 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     a second loop in the last split: the page loop then keeps its registers (sm_90, turbo3, partial offset of 8
     pairs: 502 instructions a step and one spill vs 513 and six, the plain kernel's 491; H200 timings in
     bench/turbo_recent_triton.py). RECENT=False compiles the kernel without it;
-  * the last program of each (sequence, KV head) to finish merges its query heads' splits (log-sum-exp) and
-    applies the one inverse rotation per output (an atomic count per row; _merge_kernel, one program per
-    (sequence, query head) after the decode, does the same where fused_merge is off).
+  * a second small kernel, one program per (sequence, query head), merges the splits
+    (log-sum-exp) and applies the one inverse rotation per output.
 
 Everything else (prefill, chunked prefill, mixed batches, CPU) decodes the pages that the
 batch references into compact dense pages and runs dense paged attention over them (the
@@ -37,7 +36,6 @@ correct for any chunk boundary, not fused in the rotated domain (yet).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +82,6 @@ COLUMN_ORDER = {(2, 128): (1, 0, 2, 3), (3, 128): (1, 0, 2, 3), (4, 128): (2, 0,
 # program, beyond it every step (_turned_offset has the sm_90 counts for both).
 EARLY_PAD_COLUMNS = tl.constexpr(32)
 MERGE_SPLIT_TILE = 64  # splits a merge program reads at once ([64, D] float32: 64 registers a thread at D = 128)
-# The decode's last program per (sequence, KV head) merges instead of a second launch: at batch 1 a launch on the
-# critical path of every layer (docs/BENCHMARKS.md, "fused merge"). TURBOSERVE_TURBO_FUSED_MERGE=0: the merge kernel.
-FUSED_MERGE = os.environ.get("TURBOSERVE_TURBO_FUSED_MERGE", "1") != "0"
 
 
 @triton.jit
@@ -330,19 +325,16 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                    inv_sqrt, qk_scale, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, pairs_ptr, part_acc_ptr,
                    part_m_ptr, part_l_ptr, num_splits, new_k_ptr, new_k_stride_t, new_k_stride_h, new_v_ptr,
                    new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, k_mid, k_cent, v_mid, v_cent,
-                   recent_k_ptr, recent_v_ptr, recent_rows_ptr, window, out_ptr, out_stride_t, out_stride_h,
-                   counters_ptr, H_KV: tl.constexpr, GQA: tl.constexpr,
+                   recent_k_ptr, recent_v_ptr, recent_rows_ptr, window, H_KV: tl.constexpr, GQA: tl.constexpr,
                    GQA_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr, K_BITS: tl.constexpr,
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                    K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
                    P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr,
-                   RECENT: tl.constexpr, K_UNDO: tl.constexpr, MERGE: tl.constexpr, SPLIT_TILE: tl.constexpr):
+                   RECENT: tl.constexpr, K_UNDO: tl.constexpr):
     # STORE: the step's new K and V (NewTokens) are quantized here, not by a store launch before; STORE_OFFSET is
     # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET).
     # RECENT: positions j >= seq_len - window come from the recent window's ring (recent.py), not the pages.
-    # MERGE: the last program of a (sequence, KV head) to finish merges its heads' partials (_merge_head) and
-    # writes out; counters_ptr counts finished programs per (sequence, KV head), and that program resets it.
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
     seq = tl.program_id(0)
@@ -446,87 +438,6 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=(h < GQA)[:, None])
         tl.store(part_m_ptr + part, m, mask=h < GQA)
         tl.store(part_l_ptr + part, tl.sum(l, axis=1), mask=h < GQA)
-        if MERGE:
-            # The count's release (one thread, after a CTA barrier) publishes every thread's partials; the last
-            # program's acquire then orders its L2 reads (.cg) of everyone's after them.
-            tl.debug_barrier()
-            # The merge's indices are read afresh (volatile): values kept from before the loops would hold
-            # registers through them (sm_90, turbo3, partial8, window: 7 spill instructions in the page loop).
-            seq = tl.program_id(0)
-            kv_head = tl.program_id(1)
-            counter = counters_ptr + seq * H_KV + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            length = tl.load(seq_lens_ptr + seq, volatile=True)
-            RING: tl.constexpr = 1 if RECENT else 0  # the ring's program counts too
-            paged = tl.maximum(length - window, 0) if RECENT else length
-            if done == _used_splits(paged, num_splits, BLOCK) + RING - 1:
-                tl.store(counter, 0)  # ready for the next launch (CUDA-graph replays)
-                row = tl.load(q_start_ptr + seq, volatile=True).to(tl.int64)
-                for i in range(GQA):
-                    _merge_head(out_ptr, out_stride_t, out_stride_h, row, seq, kv_head * GQA + i, H_KV * GQA,
-                                length, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, first_ptr, second_ptr,
-                                inv_sqrt, window, BLOCK, SPLIT_TILE, D, G, LOG2_G, RECENT, ".cg")
-    if MERGE:
-        if (seq_len == 0) & (tl.program_id(2) == 0):  # no program ran for a padding row: its output is zeros
-            row = tl.load(q_start_ptr + seq).to(tl.int64)
-            heads = kv_head * GQA + tl.arange(0, GQA_PAD)
-            tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + tl.arange(0, D)[None, :],
-                     tl.zeros((GQA_PAD, D), out_ptr.dtype.element_ty), mask=(heads < kv_head * GQA + GQA)[:, None])
-
-
-@triton.jit
-def _used_splits(length, num_splits, BLOCK: tl.constexpr):
-    """Page splits of a row that hold positions (and so write partials) when ``length`` positions are paged."""
-    return tl.minimum(tl.cdiv(length, _split_tokens(length, num_splits, BLOCK)), num_splits)
-
-
-@triton.jit
-def _merge_head(out_ptr, out_stride_t, out_stride_h, q_row, seq, head, q_heads, seq_len, part_acc_ptr, part_m_ptr,
-                part_l_ptr, num_splits, first_ptr, second_ptr, inv_sqrt, window, BLOCK: tl.constexpr,
-                SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr,
-                RECENT: tl.constexpr, CACHE: tl.constexpr):
-    """Log-sum-exp merge of one (sequence, query head)'s split partials, SPLIT_TILE at a time, and its one inverse
-    rotation into out. RECENT: the ring program's partial comes first, then the page splits' over the
-    seq_len - window positions below it. CACHE: the partials' load cache modifier (".cg" where another CTA of
-    the same launch wrote them: L1 is not coherent)."""
-    NG: tl.constexpr = D // G
-    # RECENT: the ring's partial (slot 0, written when seq_len > 0) is read on its own, so 64 page splits still
-    # take one SPLIT_TILE pass (65 slots in tiles of 64 took two: the window's cost at batch 1 was mostly that).
-    ring = seq_len > 0
-    if RECENT:
-        ring_part = (seq * q_heads + head) * (num_splits + 1)
-        part0 = ring_part + 1
-        used = _used_splits(tl.maximum(seq_len - window, 0), num_splits, BLOCK)
-        m_max = tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf"), cache_modifier=CACHE)
-    else:
-        part0 = (seq * q_heads + head) * num_splits
-        used = _used_splits(seq_len, num_splits, BLOCK)
-        m_max = float("-inf")
-    tile = tl.arange(0, SPLIT_TILE)
-    for s0 in range(0, used, SPLIT_TILE):
-        m_max = tl.maximum(m_max, tl.max(tl.load(part_m_ptr + part0 + s0 + tile, mask=s0 + tile < used,
-                                                 other=float("-inf"), cache_modifier=CACHE)))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: no split, keep the math finite
-
-    out = tl.zeros((D,), tl.float32)
-    denom = 0.0
-    if RECENT:
-        w_ring = tl.exp2(tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf"), cache_modifier=CACHE) - m_max)
-        denom = w_ring * tl.load(part_l_ptr + ring_part, mask=ring, other=0.0, cache_modifier=CACHE)
-        out = w_ring * tl.load(part_acc_ptr + ring_part * D + tl.arange(0, D), mask=ring, other=0.0,
-                               cache_modifier=CACHE)
-    for s0 in range(0, used, SPLIT_TILE):
-        present = s0 + tile < used
-        w = tl.exp2(tl.load(part_m_ptr + part0 + s0 + tile, mask=present, other=float("-inf"),
-                            cache_modifier=CACHE) - m_max)
-        denom += tl.sum(w * tl.load(part_l_ptr + part0 + s0 + tile, mask=present, other=0.0, cache_modifier=CACHE))
-        acc = tl.load(part_acc_ptr + (part0 + s0 + tile)[:, None] * D + tl.arange(0, D)[None, :],
-                      mask=present[:, None], other=0.0, cache_modifier=CACHE)
-        out += tl.sum(w[:, None] * acc, axis=0)
-    out = out / tl.where(denom > 0, denom, 1.0)
-    # Back from the rotated domain: the inverse swaps the sign tables (rotation.py).
-    out = tl.reshape(rotate_rows(tl.reshape(out, (NG, G)), second_ptr, first_ptr, inv_sqrt, NG, G, LOG2_G), (D,))
-    tl.store(out_ptr + q_row * out_stride_t + head * out_stride_h + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -534,12 +445,49 @@ def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr
                   part_l_ptr, num_splits, first_ptr, second_ptr, inv_sqrt, window, BLOCK: tl.constexpr,
                   SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr,
                   RECENT: tl.constexpr):
-    """One program per (sequence, query head): _merge_head (where the decode launch does not merge itself)."""
+    """One program per (sequence, query head): log-sum-exp merge of its splits, SPLIT_TILE at a time. RECENT: the
+    ring program's partial comes first, then the page splits' over the seq_len - window positions below it."""
+    NG: tl.constexpr = D // G
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _merge_head(out_ptr, out_stride_t, out_stride_h, tl.load(q_start_ptr + seq).to(tl.int64), seq, head,
-                tl.num_programs(1), tl.load(seq_lens_ptr + seq), part_acc_ptr, part_m_ptr, part_l_ptr, num_splits,
-                first_ptr, second_ptr, inv_sqrt, window, BLOCK, SPLIT_TILE, D, G, LOG2_G, RECENT, "")
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # RECENT: the ring's partial (slot 0, written when seq_len > 0) is read on its own, so 64 page splits still
+    # take one SPLIT_TILE pass (65 slots in tiles of 64 took two: the window's cost at batch 1 was mostly that).
+    ring = seq_len > 0
+    if RECENT:
+        paged_len = tl.maximum(seq_len - window, 0)
+        ring_part = (seq * tl.num_programs(1) + head) * (num_splits + 1)
+        part0 = ring_part + 1
+        used = tl.minimum(tl.cdiv(paged_len, _split_tokens(paged_len, num_splits, BLOCK)), num_splits)
+        m_max = tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf"))
+    else:
+        part0 = (seq * tl.num_programs(1) + head) * num_splits
+        used = tl.minimum(tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, BLOCK)), num_splits)  # splits that wrote
+        m_max = float("-inf")
+    tile = tl.arange(0, SPLIT_TILE)
+    for s0 in range(0, used, SPLIT_TILE):
+        m_max = tl.maximum(m_max, tl.max(tl.load(part_m_ptr + part0 + s0 + tile, mask=s0 + tile < used,
+                                                 other=float("-inf"))))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0: no split, keep the math finite
+
+    out = tl.zeros((D,), tl.float32)
+    denom = 0.0
+    if RECENT:
+        w_ring = tl.exp2(tl.load(part_m_ptr + ring_part, mask=ring, other=float("-inf")) - m_max)
+        denom = w_ring * tl.load(part_l_ptr + ring_part, mask=ring, other=0.0)
+        out = w_ring * tl.load(part_acc_ptr + ring_part * D + tl.arange(0, D), mask=ring, other=0.0)
+    for s0 in range(0, used, SPLIT_TILE):
+        present = s0 + tile < used
+        w = tl.exp2(tl.load(part_m_ptr + part0 + s0 + tile, mask=present, other=float("-inf")) - m_max)
+        denom += tl.sum(w * tl.load(part_l_ptr + part0 + s0 + tile, mask=present, other=0.0))
+        acc = tl.load(part_acc_ptr + (part0 + s0 + tile)[:, None] * D + tl.arange(0, D)[None, :],
+                      mask=present[:, None], other=0.0)
+        out += tl.sum(w[:, None] * acc, axis=0)
+    out = out / tl.where(denom > 0, denom, 1.0)
+    # Back from the rotated domain: the inverse swaps the sign tables (rotation.py).
+    out = tl.reshape(rotate_rows(tl.reshape(out, (NG, G)), second_ptr, first_ptr, inv_sqrt, NG, G, LOG2_G), (D,))
+    q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + q_row * out_stride_t + head * out_stride_h + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -609,32 +557,13 @@ def choose_splits(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.
     return whole_block_splits(max_seq_len, block_n, min(triton.cdiv(blocks, MIN_SPLIT_BLOCKS), wanted, long_enough))
 
 
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, one per (sequence, KV head): the programs finished so far, which the last one resets to 0 after
-    merging (this module's Triton decode and attention_cuda's). Kept per device and grown outside CUDA-graph
-    captures (the engine's eager warm-up before a capture sizes it, as lookup_table's cache); a capture that needs
-    more gets zeros of its own (a captured memset). One decode at a time per device: the engine's layers run in
-    one stream."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return counters
-        _COUNTERS[device] = counters
-    return counters
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, meta: AttentionMetadata,
                             scale: float, signs: tuple[torch.Tensor, torch.Tensor], inv_sqrt: float,
                             key_offset: KeyOffset | None = None, num_splits: int | None = None, block_n: int = BLOCK_N,
                             num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS,
                             num_stages: int | None = NUM_STAGES,
                             column_order: dict[tuple[int, int], tuple[int, ...]] = COLUMN_ORDER,
-                            new_tokens: NewTokens | None = None, recent: RecentWindow | None = None,
-                            fused_merge: bool | None = None) -> torch.Tensor:
+                            new_tokens: NewTokens | None = None, recent: RecentWindow | None = None) -> torch.Tensor:
     """q [S, q_heads, D] (one query per sequence) -> attention output [S, q_heads, D] in q's dtype.
 
     ``key_offset``: the o(p) the K pages lost (key_offset.py; float32 contiguous tensors), added back
@@ -644,10 +573,8 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     step's critical path. ``recent``: the recent window (recent.py), its ring already holding the step's token
     (store_turbo's recent): sequence s reads positions j >= seq_len - W from ring row meta.recent_rows[s] and
     the rest from the pages; None compiles the kernel without it. ``num_splits`` and the launch settings exist
-    for tests and the benchmark's sweep. ``fused_merge``: the last program of each (sequence, KV head) merges
-    its splits; False launches the merge kernel after the decode; None: FUSED_MERGE.
+    for tests and the benchmark's sweep.
     """
-    fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
     num_seqs, q_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     kv_heads, page_size = k_pages.codes.shape[1], k_pages.codes.shape[2]
     gqa = q_heads // kv_heads
@@ -683,9 +610,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             scale * LOG2E, *((part_m,) * 4 if offset is None else  # never read without OFFSET or STORE_OFFSET
                              (offset.const, offset.mean, offset.sink, offset.inv_freq)),
             meta.seq_lens if key_offset is None else key_offset.pairs,  # never read without OFFSET
-            part_acc, part_m, part_l, num_splits, *new, *ring, out, out.stride(0), out.stride(1),
-            split_counters(q.device, num_seqs * kv_heads) if fused_merge else meta.seq_lens,
-            MERGE=fused_merge, SPLIT_TILE=MERGE_SPLIT_TILE, OFFSET=key_offset is not None, P=pairs,
+            part_acc, part_m, part_l, num_splits, *new, *ring, OFFSET=key_offset is not None, P=pairs,
             PP=padded_pairs, STORE=new_tokens is not None, STORE_OFFSET="none" if store_offset is None else
             ("turned" if new_tokens.key_offset_turns else "fixed"), RECENT=recent is not None,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
@@ -697,8 +622,6 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             **({} if num_stages is None else {"num_stages": num_stages}),
             **shape,
         )
-        if fused_merge:
-            return out
         _merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
             num_splits, signs[0], signs[1], inv_sqrt, ring[3], BLOCK=block_n, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim,

@@ -1033,5 +1033,22 @@ def decode_attention_cuda(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPa
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], float(inv_sqrt),
             float(scale * attention.LOG2E), *offset, pairs, part_acc, part_m, part_l, num_splits,
-            out, out.stride(0), out.stride(1), attention.split_counters(q.device, num_seqs * kv_heads), *ring])
+            out, out.stride(0), out.stride(1), _split_counters(q.device, num_seqs * kv_heads), *ring])
     return out
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per (sequence, KV head): the splits finished so far, which the last one's CTA resets to 0
+    after merging. Kept per device and grown outside CUDA-graph captures (the engine's eager warm-up before a
+    capture sizes it, as lookup_table's cache); a capture that needs more gets zeros of its own (a captured
+    memset). One decode at a time per device: the engine's layers run in one stream."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < n:
+        counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return counters
+        _COUNTERS[device] = counters
+    return counters
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -22,7 +22,7 @@ from test_key_offset import offset64, represented_keys, rope_keys
 from turbo_oracle import rotation_matrix64, shuffled_tables, slots_of
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo import attention, attention_cuda
+from server.kernels.turbo import attention_cuda
 from server.kernels.turbo import store as store_module
 from server.kernels.turbo.attention import (
     attention_over_decoded_pages,
@@ -64,7 +64,7 @@ def cuda_decode(store, meta, q, dtype=torch.float16, splits=None, triton=True, *
     k, v, offset, meta, q, signs = on_gpu(store, meta, q, dtype)
     out = attention_cuda.decode_attention_cuda(q, k, v, meta, store.head_dim**-0.5, signs, store.inv_sqrt, offset,
                                                num_splits=splits, **launch)
-    assert not attention._COUNTERS[q.device].any(), "the last CTA of each row must leave its split counter at 0"
+    assert not attention_cuda._COUNTERS[q.device].any(), "the last CTA of each row must leave its split counter at 0"
     assert out is not None, "the CUDA kernel refused a supported call (NVRTC missing or the source refused?)"
     assert out.dtype == dtype and out.shape == q.shape
     if not triton:
@@ -510,7 +510,7 @@ def test_cuda_decode_with_recent_window_matches_float64(head_dim, gqa, k_kind, v
         out = attention_cuda.decode_attention_cuda(gq, k, v, gmeta, scale, signs, store.inv_sqrt, offset,
                                                    num_splits=splits, recent=gring)
         assert out is not None, "the CUDA kernel refused a supported call with a recent window"
-        assert not attention._COUNTERS[gq.device].any(), "the last CTA of a row must leave its split counter at 0"
+        assert not attention_cuda._COUNTERS[gq.device].any(), "the last CTA of a row must leave its split counter at 0"
         got = out.double().cpu()
         assert torch.isfinite(got).all(), f"{splits} splits: non-finite output (a NaN ring slot or poisoned page read)"
         assert got[lengths.index(0)].eq(0).all(), "a seq_len-0 row must come out zero"

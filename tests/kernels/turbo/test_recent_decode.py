@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo import attention
 from server.kernels.turbo.attention import NewTokens, decode_attention_triton
 from server.kernels.turbo.quantize import store_turbo
 from server.kernels.turbo.recent import RecentWindow, attention_with_recent_reference, recent_values
 from server.kernels.turbo.store import TurboKVStore
-from test_attention import decode64, nan_outputs
+from test_attention import decode64
 from test_decode_key_offset import offset_for
 from test_key_offset import PAGE, assert_close, offset64, rope_keys
 from turbo_oracle import shuffled_tables, slots_of
@@ -143,22 +142,6 @@ def test_decode_with_recent_window_matches_reference_and_float64(head_dim, gqa, 
     assert_close(got[live], ref.double(), 2e-5, f"decode with W={window}, {splits} splits vs reference")
     assert_close(got, want, 2e-5, f"decode with W={window}, {splits} splits vs float64")
     assert torch.equal(got[~live], torch.zeros_like(got[~live])), "a seq_len-0 row attends to nothing: zeros"
-
-
-def test_merge_in_the_last_program_counts_the_ring_program(monkeypatch):
-    """With a window the ring's program is one more partial to wait for: the fused merge (the default) against the
-    merge kernel, seq_len-0 rows included, counters back at 0."""
-    head_dim, gqa, k_kind, v_kind, window, pairs, splits, block = CASES[3]
-    offset = offset_for(1, head_dim, 10000.0, seed=1, turned_pairs=pairs)
-    store, recent, meta, q, *_ = decode_step(lengths_for(window, 130), 1, gqa, head_dim, k_kind, v_kind, window,
-                                             offset, seed=3)
-    nan_outputs(monkeypatch)
-    args = (q, store.k, store.v, meta, head_dim**-0.5, store.signs, store.inv_sqrt, store.key_offset)
-    separate = decode_attention_triton(*args, num_splits=splits, recent=recent, fused_merge=False)
-    fused = decode_attention_triton(*args, num_splits=splits, recent=recent, fused_merge=True)
-    assert not separate.isnan().any()
-    assert torch.equal(fused, separate), (fused - separate).abs().max()
-    assert not attention._COUNTERS[q.device].any()
 
 
 def test_decode_with_recent_window_head_dim_256():
