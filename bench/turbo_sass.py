@@ -42,7 +42,8 @@ POINTER_TYPES = {"q_ptr": "*bf16", "q_start_ptr": "*i32", "seq_lens_ptr": "*i32"
                  "first_ptr": "*i32", "second_ptr": "*i32", "const_ptr": "*fp32", "mean_ptr": "*fp32",
                  "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "pairs_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                  "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "new_slot_ptr": "*i64", "new_pos_ptr": "*i64",
-                 "k_mid": "*fp32", "k_cent": "*fp32", "v_mid": "*fp32", "v_cent": "*fp32"}
+                 "k_mid": "*fp32", "k_cent": "*fp32", "v_mid": "*fp32", "v_cent": "*fp32", "recent_k_ptr": "*bf16",
+                 "recent_v_ptr": "*bf16", "recent_rows_ptr": "*i32"}
 FLOAT_ARGS = ("inv_sqrt", "qk_scale")
 OFFSET_PAIRS = (16, 8, 4)  # --offset's partial key offsets: turned pairs per KV head
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);")
@@ -50,10 +51,11 @@ ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);")
 
 def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int = 128, gqa: int = 4,
                    max_registers: int | None = None, column_order: dict | None = None, offset: int | None = None,
-                   store: bool = False):
+                   store: bool = False, recent: bool = False):
     """The decode kernel compiled for sm_90 (a CompiledKernel: .asm holds "ttgir" and "cubin"); ``offset``:
     with the key offset's score term (OFFSET) over that many turned rotate-half pairs per KV head; ``store``: with
-    the fused write of the new token (STORE, its key offset turned when ``offset`` is given)."""
+    the fused write of the new token (STORE, its key offset turned when ``offset`` is given); ``recent``: with the
+    recent window's program (RECENT)."""
     fn = attention._decode_kernel
     group = 128 if head_dim % 128 == 0 else 64
     order = attention.COLUMN_ORDER if column_order is None else column_order
@@ -63,7 +65,7 @@ def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: i
                      V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())),
                      K_UNDO=attention._inverse(order.get((bits_k, head_dim), ())), OFFSET=offset is not None,
                      P=offset or 0, PP=max(8, triton.next_power_of_2(offset or 0)), STORE=store,
-                     STORE_OFFSET="none" if offset is None else "turned", RECENT=False)
+                     STORE_OFFSET="none" if offset is None else "turned", RECENT=recent)
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
