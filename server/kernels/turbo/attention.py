@@ -82,6 +82,7 @@ COLUMN_ORDER = {(2, 128): (1, 0, 2, 3), (3, 128): (1, 0, 2, 3), (4, 128): (2, 0,
 # program, beyond it every step (_turned_offset has the sm_90 counts for both).
 EARLY_PAD_COLUMNS = tl.constexpr(32)
 MERGE_SPLIT_TILE = 64  # splits a merge program reads at once ([64, D] float32: 64 registers a thread at D = 128)
+MERGE_NUM_WARPS = 2  # vs 4: 3.92 vs 4.19 us a layer at batch 1, 2K (H200, docs/BENCHMARKS.md 17:31 block); 1: 4.62
 
 
 @triton.jit
@@ -625,7 +626,7 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
         _merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
             num_splits, signs[0], signs[1], inv_sqrt, ring[3], BLOCK=block_n, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim,
-            G=group, LOG2_G=group.bit_length() - 1, RECENT=recent is not None,
+            G=group, LOG2_G=group.bit_length() - 1, RECENT=recent is not None, num_warps=MERGE_NUM_WARPS,
         )
     return out
 
