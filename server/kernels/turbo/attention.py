@@ -51,7 +51,7 @@ from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
-from server.kernels.turbo.quantize import TurboPages, half_group_signs, quantize_rows, recent_arguments, rotated_halves
+from server.kernels.turbo.quantize import TurboPages, quantize_rows, recent_arguments
 from server.kernels.turbo.recent import RecentWindow, exact_pages
 from server.kernels.turbo.sincos import sincos
 
@@ -321,21 +321,6 @@ def _ring_tile(ring_ptr, ring_row, tok, valid, window, kv_head, H_KV: tl.constex
 
 
 @triton.jit
-def _new_ring_row(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr,
-                  second_ptr, inv_sqrt, q_row, kv_head, ring_ptr, H_KV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                  LOG2_G: tl.constexpr, OFFSET: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):
-    """[1, D]: what the ring gets for the step's row of KV head ``kv_head`` (token q_row), rounded to the ring's
-    dtype, then the mma operand type: the same rotated_halves that the storing program's quantize_rows writes."""
-    flip_lo, flip_hi, scale_lo, scale_hi = half_group_signs(first_ptr, second_ptr, inv_sqrt, G // 2)
-    row = q_row * H_KV + kv_head
-    _, _, _, _, _, _, y_lo, y_hi = rotated_halves(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, const_ptr, mean_ptr,
-                                                  sink_ptr, inv_freq_ptr, flip_lo, flip_hi, scale_lo, scale_hi, row + 1,
-                                                  row, H_KV, 1, D, G, LOG2_G, OFFSET, ASM)
-    y = tl.reshape(tl.permute(tl.join(y_lo, y_hi), (0, 2, 1)), (1, D))  # natural column order
-    return y.to(ring_ptr.dtype.element_ty).to(OP)
-
-
-@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tables_ptr, tables_stride,
                    k_codes, k_norms, k_poly, k_table, v_codes, v_norms, v_poly, v_table, first_ptr, second_ptr,
                    inv_sqrt, qk_scale, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, pairs_ptr, part_acc_ptr,
@@ -349,9 +334,7 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                    P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr,
                    RECENT: tl.constexpr, K_UNDO: tl.constexpr):
     # STORE: the step's new K and V (NewTokens) are quantized here, not by a store launch before; STORE_OFFSET is
-    # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET). Without a
-    # window the split holding the new token stores it before reading; with one, a program of its own stores it
-    # (pages and ring row) beside the others, and the ring's program takes the new row from registers.
+    # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET).
     # RECENT: positions j >= seq_len - window come from the recent window's ring (recent.py), not the pages.
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
@@ -372,26 +355,13 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
     if RECENT:  # (start stays a multiple of BLOCK for the page loop's address arithmetic)
         busy = tl.where(ring, seq_len > 0, start < paged_len)
 
-    if STORE:
-        if RECENT:
-            if split == num_splits:  # the last program: the step's token to its pages and ring row
-                new_row = tl.load(q_start_ptr + seq).to(tl.int64) * H_KV + kv_head
-                quantize_rows(new_k_ptr, new_k_stride_t, new_k_stride_h, new_slot_ptr, new_pos_ptr, k_codes, k_norms,
-                              k_mid, k_cent, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr,
-                              inv_sqrt, new_row + 1, new_row, 1, recent_k_ptr, recent_rows_ptr, window, H_KV,
-                              PAGE_SIZE, 1, D, G, LOG2_G, K_BITS, STORE_OFFSET, 1, ASM, True)
-                quantize_rows(new_v_ptr, new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, v_codes, v_norms,
-                              v_mid, v_cent, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr,
-                              inv_sqrt, new_row + 1, new_row, 1, recent_v_ptr, recent_rows_ptr, window, H_KV,
-                              PAGE_SIZE, 1, D, G, LOG2_G, V_BITS, "none", 1, ASM, True)
-
     if busy:
         # The softmax runs over the H <= GQA_PAD columns that can hold heads (_query_rows): 4 for GQA <= 4,
         # 8 for GQA <= 8: 2-4x less exp/max/rescale work per step than over the padded tile.
         H: tl.constexpr = GQA_PAD if 2 * GQA > GQA_PAD else (GQA_PAD // 2 if 4 * GQA > GQA_PAD else GQA_PAD // 4)
         real, g = _query_rows(GQA_PAD, H)
         q_row = tl.load(q_start_ptr + seq).to(tl.int64)
-        if STORE and not RECENT:  # the new token, position seq_len - 1, lies in the last split: no other reads it
+        if STORE:  # the new token, position seq_len - 1, lies in the last split: no other program reads it
             if split == (seq_len - 1) // chunk:
                 new_row = q_row * H_KV + kv_head  # row of the new k, v: the step's token q_row, this KV head
                 quantize_rows(new_k_ptr, new_k_stride_t, new_k_stride_h, new_slot_ptr, new_pos_ptr, k_codes, k_norms,
@@ -443,33 +413,18 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         else:  # the same step over exact rows: the ring holds rotate(k - o(p)) like the pages, and no norms
             ring_row = tl.load(recent_rows_ptr + seq).to(tl.int64)
             q_natural = _permute_columns(q, GQA_PAD, D, K_UNDO)
-            newest = seq_len
-            if STORE:  # the step's token from registers, as the storing program writes it to the ring
-                newest = seq_len - 1
-                k_new = _new_ring_row(new_k_ptr, new_k_stride_t, new_k_stride_h, new_slot_ptr, new_pos_ptr, const_ptr,
-                                      mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, q_row, kv_head,
-                                      recent_k_ptr, H_KV, D, G, LOG2_G, STORE_OFFSET, OP, ASM)
-                v_new = _new_ring_row(new_v_ptr, new_v_stride_t, new_v_stride_h, new_slot_ptr, new_pos_ptr, const_ptr,
-                                      mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, q_row, kv_head,
-                                      recent_v_ptr, H_KV, D, G, LOG2_G, "none", OP, ASM)
             for t0 in range(paged_len, seq_len, BLOCK):
                 tok = t0 + tl.arange(0, BLOCK)
                 valid = tok < seq_len
                 if OFFSET:
                     turned = _turned_offset(t0, x, y, inv_freq_ptr, pairs_ptr, kv_head, P, PP, GQA_PAD, H, OP, ASM)
-                k = _ring_tile(recent_k_ptr, ring_row, tok, valid & (tok != newest), window, kv_head, H_KV, D, OP)
-                if STORE:
-                    if t0 + BLOCK >= seq_len:  # the step's position lies in the last tile
-                        k = tl.where((tok == newest)[:, None], k_new, k)
+                k = _ring_tile(recent_k_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP)
                 scores = _tile_scores(k, q_natural, BLOCK, GQA_PAD, H)
                 if OFFSET:
                     scores = _offset_scores(scores, t0, table, turned, sink_extra, BLOCK, GQA_PAD, H, F16)
                 p, alpha, m, l = _softmax_step(scores, valid, m, l)
                 p = _padded_columns(tl.trans(p.to(OP)), BLOCK, GQA_PAD, H)
-                v = _ring_tile(recent_v_ptr, ring_row, tok, valid & (tok != newest), window, kv_head, H_KV, D, OP)
-                if STORE:
-                    if t0 + BLOCK >= seq_len:
-                        v = tl.where((tok == newest)[:, None], v_new, v)
+                v = _ring_tile(recent_v_ptr, ring_row, tok, valid, window, kv_head, H_KV, D, OP)
                 acc_t = _accumulate(acc_t, alpha, p, v, D, GQA_PAD, H)
             acc_t = tl.trans(_permute_columns(tl.trans(acc_t), H, D, V_ORDER))  # to V's order, which V_UNDO undoes
 
@@ -614,12 +569,10 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
 
     ``key_offset``: the o(p) the K pages lost (key_offset.py; float32 contiguous tensors), added back
     as <q, o(p)> in the scores; None compiles the plain kernel. ``new_tokens``: the step's K and V, not yet
-    stored, which saves the store's launch on a decode step's critical path: without a window the program whose
-    split holds position seq_len - 1 quantizes them into their slots (as quantize.store_turbo_triton would)
-    before it reads its pages; with one, one more program per (sequence, KV head) stores them, pages and ring
-    row (store_turbo's recent), while the ring's program takes them from registers (no program reads position
-    seq_len - 1 from memory). ``recent``: the recent window (recent.py), its ring holding the step's token unless
-    new_tokens brings it: sequence s reads positions j >= seq_len - W from ring row meta.recent_rows[s] and
+    stored; the program whose split holds position seq_len - 1 quantizes them into their slots (as
+    quantize.store_turbo_triton would) before it reads its pages, which saves the store's launch on a decode
+    step's critical path. ``recent``: the recent window (recent.py), its ring already holding the step's token
+    (store_turbo's recent): sequence s reads positions j >= seq_len - W from ring row meta.recent_rows[s] and
     the rest from the pages; None compiles the kernel without it. ``num_splits`` and the launch settings exist
     for tests and the benchmark's sweep.
     """
@@ -628,15 +581,17 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
     gqa = q_heads // kv_heads
     group = group_size(head_dim)
     out = torch.empty_like(q)
+    if new_tokens is not None and recent is not None:
+        raise ValueError("the fused store (new_tokens) does not write the recent window: store the step's tokens "
+                         "with store_turbo(..., recent=...) first and pass new_tokens=None")
     if num_seqs == 0:
         return out
     if num_splits is None:
         num_splits = choose_splits(num_seqs, kv_heads, meta.max_seq_len, q.device, block_n)
     num_splits = whole_block_splits(meta.max_seq_len, block_n, num_splits)
-    partials = num_splits + (recent is not None)  # per (sequence, KV head): the splits and the ring's program
-    programs = partials + (recent is not None and new_tokens is not None)  # and the one storing the step's token
-    part_acc = torch.empty(num_seqs * q_heads * partials, head_dim, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(num_seqs * q_heads * partials, dtype=torch.float32, device=q.device)
+    programs = num_splits + (recent is not None)  # per (sequence, KV head): the splits and the ring's program
+    part_acc = torch.empty(num_seqs * q_heads * programs, head_dim, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(num_seqs * q_heads * programs, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs at least 16 rows
     pairs = 0 if key_offset is None else key_offset.pairs.shape[1]

@@ -143,60 +143,6 @@ def _offset_values(const_ptr, mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: t
 
 
 @triton.jit
-def half_group_signs(first_ptr, second_ptr, inv_sqrt, G2: tl.constexpr):
-    """rotation.rotate_rows's sign patterns for each half of a group: the first table's sign-bit masks and the
-    second's signed scale ±1/sqrt(G), (flip_lo, flip_hi, scale_lo, scale_hi)."""
-    flip_lo = sign_masks(first_ptr, G2)
-    flip_hi = sign_masks(first_ptr + G2 // 32, G2)
-    scale_lo = tl.where(sign_masks(second_ptr, G2) != 0, -inv_sqrt, inv_sqrt)
-    scale_hi = tl.where(sign_masks(second_ptr + G2 // 32, G2) != 0, -inv_sqrt, inv_sqrt)
-    return flip_lo, flip_hi, scale_lo, scale_hi
-
-
-@triton.jit
-def rotated_halves(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, flip_lo,
-                   flip_hi, scale_lo, scale_hi, n_rows, tile, H: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, LOG2_G: tl.constexpr, OFFSET: tl.constexpr, ASM: tl.constexpr):
-    """rotate(x - o(p)) of tile ``tile``'s rows (row = token * H + head) as [ROWS * NG, G / 2] halves of each group
-    (rg = row * NG + group): (tok, head, ok, d_lo, d_hi, n, y_lo, y_hi), ok False for rows past n_rows or with a
-    negative slot, d_lo / d_hi the halves' dims, n each group's norm of x - o(p). quantize_rows quantizes them;
-    the decode's window program reads a step's new row from them."""
-    NG: tl.constexpr = D // G
-    G2: tl.constexpr = G // 2
-    rg = tile * ROWS * NG + tl.arange(0, ROWS * NG)
-    tok = rg // NG // H
-    head = rg // NG % H
-    ok = (rg // NG < n_rows) & (tl.load(slot_ptr + tok, mask=rg // NG < n_rows, other=-1) >= 0)
-    base = tok.to(tl.int64) * stride_t + head * stride_h + rg % NG * G
-    c = tl.arange(0, G2)[None, :]
-    lo = tl.load(x_ptr + base[:, None] + c, mask=ok[:, None], other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + base[:, None] + G2 + c, mask=ok[:, None], other=0.0).to(tl.float32)
-    d_lo = (rg % NG * G)[:, None] + c
-    d_hi = d_lo + G2
-    if OFFSET == "fixed":  # o(p) = const at every position (the sink is const, the mean 0)
-        lo -= tl.load(const_ptr + head[:, None] * D + d_lo, mask=ok[:, None], other=0.0)
-        hi -= tl.load(const_ptr + head[:, None] * D + d_hi, mask=ok[:, None], other=0.0)
-    if OFFSET == "turned":  # k - o(p): const, mean and sink float32 [H, D], inv_freq [D / 2]
-        p = tl.load(pos_ptr + tok, mask=rg // NG < n_rows, other=0).to(tl.float32)[:, None]
-        cos_lo, sin_lo = sincos(p * tl.load(inv_freq_ptr + d_lo % (D // 2)), ASM)
-        if NG == 1:  # the half groups are RoPE's pairs: one angle for both
-            cos_hi, sin_hi = cos_lo, sin_lo
-        else:
-            cos_hi, sin_hi = sincos(p * tl.load(inv_freq_ptr + d_hi % (D // 2)), ASM)
-        lo -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
-        hi -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
-    n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
-    # rotation.rotate_rows in two halves: y = n * rotate(x / n), the rotation being linear
-    lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2,
-                   LOG2_G - 1)
-    hi = fwht_rows((hi.to(tl.int32, bitcast=True) ^ flip_hi).to(tl.float32, bitcast=True), ROWS * NG, G2,
-                   LOG2_G - 1)
-    y_lo = (lo + hi) * scale_lo  # the last butterfly stage, h = G / 2, as the reference orders it
-    y_hi = (lo - hi) * scale_hi
-    return tok, head, ok, d_lo, d_hi, n, y_lo, y_hi
-
-
-@triton.jit
 def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms_ptr, mid_ptr, cent_ptr,
                   const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, first_ptr, second_ptr, inv_sqrt, n_rows,
                   first_tile, tile_step, recent_ptr, recent_rows_ptr, window, H: tl.constexpr,
@@ -213,7 +159,10 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
     G2: tl.constexpr = G // 2
     # Per program, before the tile loop (the compiler cannot hoist loads past the stores): the sign
     # patterns of rotation.rotate_rows for each half group and the codebook's positive half.
-    flip_lo, flip_hi, scale_lo, scale_hi = half_group_signs(first_ptr, second_ptr, inv_sqrt, G2)
+    flip_lo = sign_masks(first_ptr, G2)
+    flip_hi = sign_masks(first_ptr + G2 // 32, G2)
+    scale_lo = tl.where(sign_masks(second_ptr, G2) != 0, -inv_sqrt, inv_sqrt)
+    scale_hi = tl.where(sign_masks(second_ptr + G2 // 32, G2) != 0, -inv_sqrt, inv_sqrt)
     p1 = _half_entry(mid_ptr, HALF - 1, 1, HALF)  # midpoints[HALF - 1] is the middle one, 0.0
     p2 = _half_entry(mid_ptr, HALF - 1, 2, HALF)
     p3 = _half_entry(mid_ptr, HALF - 1, 3, HALF)
@@ -236,9 +185,36 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
         valid = (rows < n_rows) & (slot >= 0)  # a negative slot marks a padding token
         # One [ROWS * NG, G / 2] tile per half group (rg = row * NG + group): Triton gives both the same
         # layout, so the butterfly stage between halves stays inside each thread.
-        tok, head, ok, d_lo, d_hi, n, y_lo, y_hi = rotated_halves(
-            x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, const_ptr, mean_ptr, sink_ptr, inv_freq_ptr, flip_lo, flip_hi,
-            scale_lo, scale_hi, n_rows, tile, H, ROWS, D, G, LOG2_G, OFFSET, ASM)
+        rg = tile * ROWS * NG + tl.arange(0, ROWS * NG)
+        tok = rg // NG // H
+        head = rg // NG % H
+        ok = (rg // NG < n_rows) & (tl.load(slot_ptr + tok, mask=rg // NG < n_rows, other=-1) >= 0)
+        base = tok.to(tl.int64) * stride_t + head * stride_h + rg % NG * G
+        c = tl.arange(0, G2)[None, :]
+        lo = tl.load(x_ptr + base[:, None] + c, mask=ok[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + base[:, None] + G2 + c, mask=ok[:, None], other=0.0).to(tl.float32)
+        d_lo = (rg % NG * G)[:, None] + c
+        d_hi = d_lo + G2
+        if OFFSET == "fixed":  # o(p) = const at every position (the sink is const, the mean 0)
+            lo -= tl.load(const_ptr + head[:, None] * D + d_lo, mask=ok[:, None], other=0.0)
+            hi -= tl.load(const_ptr + head[:, None] * D + d_hi, mask=ok[:, None], other=0.0)
+        if OFFSET == "turned":  # k - o(p): const, mean and sink float32 [H, D], inv_freq [D / 2]
+            p = tl.load(pos_ptr + tok, mask=rg // NG < n_rows, other=0).to(tl.float32)[:, None]
+            cos_lo, sin_lo = sincos(p * tl.load(inv_freq_ptr + d_lo % (D // 2)), ASM)
+            if NG == 1:  # the half groups are RoPE's pairs: one angle for both
+                cos_hi, sin_hi = cos_lo, sin_lo
+            else:
+                cos_hi, sin_hi = sincos(p * tl.load(inv_freq_ptr + d_hi % (D // 2)), ASM)
+            lo -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
+            hi -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
+        n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
+        # rotation.rotate_rows in two halves: y = n * rotate(x / n), the rotation being linear
+        lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2,
+                       LOG2_G - 1)
+        hi = fwht_rows((hi.to(tl.int32, bitcast=True) ^ flip_hi).to(tl.float32, bitcast=True), ROWS * NG, G2,
+                       LOG2_G - 1)
+        y_lo = (lo + hi) * scale_lo  # the last butterfly stage, h = G / 2, as the reference orders it
+        y_hi = (lo - hi) * scale_hi
         if RECENT:  # rotate(x - o(p)) exactly as the pages get it quantized, in natural column order
             p_ring = tl.load(pos_ptr + tok, mask=ok, other=0)
             ring_row = tl.load(recent_rows_ptr + tok, mask=ok, other=0).to(tl.int64)

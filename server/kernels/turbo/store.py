@@ -16,10 +16,7 @@ Fused write (TURBOSERVE_FUSED_TURBO_STORE=1; off by default, FUSED_STORE_ENV say
 whose program holding the new token quantizes it into its slot first (attention.py NewTokens), so a decode step
 has no store launch on its critical path (bf16 KV writes inside the qkv projection, issue 4). Every other reader
 stores them first: ``k`` and ``v`` are properties that flush, and every other attention path flushes before it
-reads. With a recent window the write is always kept for ``attend`` (recent.py says when the ring is written);
-a decode step on the Triton decode hands it over the same way, and there a program of its own stores it, pages
-and ring row, beside the attention programs (which take the step's rows from registers): on by default, since
-no program waits for it. The CUDA C decode and prefill get it stored first.
+reads.
 """
 
 from __future__ import annotations
@@ -138,16 +135,11 @@ class TurboKVStore:
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms
 
-    @staticmethod
-    def _is_step_of(new: NewTokens, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether a write is the decode step's own: one new token per query row, the slots the metadata names."""
-        return new.slot_mapping is meta.slot_mapping and new.k.shape[0] == q.shape[0]
-
     def _fusable(self, q: torch.Tensor, meta: AttentionMetadata) -> NewTokens | None:
-        """The pending write for a decode step's Triton decode to store, if it is this step's; otherwise it is stored
-        now and None returned."""
+        """The pending write for a decode step's Triton decode to store, if it is this step's: one new token per
+        query row, the slots the metadata names; otherwise it is stored now and None returned."""
         new, self._pending = self._pending, None
-        if new is not None and self._is_step_of(new, q, meta):
+        if new is not None and new.slot_mapping is meta.slot_mapping and new.k.shape[0] == q.shape[0]:
             return new
         self._pending = new
         self._flush()
@@ -221,17 +213,14 @@ class TurboKVStore:
         key_offset = self.key_offset if self.offset_turns else None
         step = self._step_of_window(meta) if self.recent is not None else None
         if use_triton(q) and meta.is_decode_only:
-            cuda = q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK  # where it runs (supports)
-            if step is not None and (cuda or not self._is_step_of(step, q, meta)):
+            if step is not None:
                 self._store(step, meta.recent_rows)  # the token's pages and window row first: the kernels read both
-                step = None
-            if cuda:
+            if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:  # where it runs (supports)
                 out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset,
                                             recent=self.recent)
                 if out is not None:
                     return out
-            # self._k / _v below: their pending token is the kernel's to store (with a window, pages and ring row)
-            new_tokens = step if step is not None else self._fusable(q, meta)
+            new_tokens = self._fusable(q, meta)  # self._k / _v below: their pending token is the kernel's to store
             return decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
                                            new_tokens=new_tokens, recent=self.recent)
         if step is not None:

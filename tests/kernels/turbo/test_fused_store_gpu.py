@@ -7,16 +7,12 @@ read before it landed, shows. Run with TURBOSERVE_GPU_TESTS=1 (tests/conftest.py
 """
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 from bench.kernels_turbo import engine_key_offset
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.turbo.attention import NewTokens, decode_attention_triton
-from server.kernels.turbo.quantize import store_turbo
-from server.kernels.turbo.recent import RecentWindow
 from server.kernels.turbo.store import CUDA_DECODE_MIN_WORK, TurboKVStore
 
 pytestmark = pytest.mark.gpu
@@ -112,35 +108,3 @@ def test_a_captured_write_and_attend_replays_the_fused_store():
         want = plain.attend(q2, AttentionMetadata(m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
                                                   plan, m.query_lens_cpu), 0.1)
         assert_same(fused, plain, out, want, f"graph replay {step}")
-
-
-@pytest.mark.parametrize("seq_lens", [[16400, 2049, 129, 17, 1], [3000, 128]])
-def test_with_a_window_the_decode_stores_the_step_as_the_store_kernel_would(seq_lens):
-    """The engine's default (W = 128): the Triton decode gets the step's write and a program of its own stores
-    it, pages and ring row, while the ring's program takes the step's rows from registers. Against the store
-    kernel then the decode, over 3 steps: the same pages and rings bit for bit, the outputs within rounding."""
-    window, dev = 128, torch.device("cuda")
-    stored, _, tables = stores("turbo3", "turbo3", seq_lens, seed=5)
-    fresh = copy.deepcopy(stored)
-    rows = len(seq_lens) + 1
-    ring = RecentWindow.empty(rows + 2, window, KV_HEADS, HEAD_DIM, torch.bfloat16, dev)
-    ring.k.normal_()
-    ring.v.normal_()
-    fresh_ring = RecentWindow(ring.k.clone(), ring.v.clone())
-    recent_rows = torch.randperm(rows + 2, device=dev)[:rows].to(torch.int32)
-    key_offset = stored.key_offset if stored.offset_turns else None
-    for step in range(3):
-        lens = [max(n - 2 + step, 1) for n in seq_lens]
-        meta, q, k, v, positions = decode_step(tables, lens, seed=step, padding=1)
-        meta = dataclasses.replace(meta, recent_rows=recent_rows)
-        new = NewTokens(k, v, meta.slot_mapping, positions, fresh.key_offset, fresh.offset_turns)
-        store_turbo(k, v, meta.slot_mapping, positions, stored.k, stored.v, stored.signs, stored.inv_sqrt,
-                    stored.key_offset, stored.offset_turns, recent=ring, recent_rows=recent_rows)
-        want = decode_attention_triton(q, stored.k, stored.v, meta, HEAD_DIM**-0.5, stored.signs, stored.inv_sqrt,
-                                       key_offset, recent=ring)
-        got = decode_attention_triton(q, fresh.k, fresh.v, meta, HEAD_DIM**-0.5, fresh.signs, fresh.inv_sqrt,
-                                      fresh.key_offset if fresh.offset_turns else None, new_tokens=new,
-                                      recent=fresh_ring)
-        assert_same(fresh, stored, got, want, f"{seq_lens} step {step}")
-        assert torch.equal(fresh_ring.k, ring.k) and torch.equal(fresh_ring.v, ring.v), f"step {step}: rings differ"
-        assert not got[-1].any(), "the padding row comes out zero"

@@ -225,9 +225,9 @@ def test_a_long_chunk_writes_only_its_last_w_tokens_each_to_its_own_slot():
     assert slots.tolist() == [2 * 5 + p % 5 for p in range(15, 20)] + [0 * 5 + 6 % 5] + [1 * 5 + p for p in range(3)]
 
 
-def record_fast_path(monkeypatch, cuda_min_work):
-    """TurboKVStore.attend as on a GPU, its kernels replaced by recorders (their own tests check them): the list of
-    (kernel, keyword arguments) calls."""
+def test_a_decode_step_on_the_fast_path_stores_pages_and_window_in_one_launch_before_the_kernel(monkeypatch):
+    """The dispatch of TurboKVStore.attend on a GPU, with the kernels replaced by recorders (their own tests check
+    them): the step's token goes to the pages and the window first, then a decode that reads the window."""
     from server.kernels.turbo import store as store_module
 
     calls = []
@@ -236,43 +236,14 @@ def record_fast_path(monkeypatch, cuda_min_work):
     monkeypatch.setattr(store_module, "decode_attention_cuda", lambda *a, **kw: calls.append(("cuda", kw)))
     monkeypatch.setattr(store_module, "decode_attention_triton",
                         lambda q, *a, **kw: calls.append(("triton", kw)) or torch.zeros_like(q))  # fmt: skip
-    monkeypatch.setattr(store_module, "CUDA_DECODE_MIN_WORK", cuda_min_work)
-    return calls
-
-
-def decode_step_metadata():
-    return AttentionMetadata(torch.tensor([5]), torch.tensor([[0, 1]], dtype=torch.int32),
+    monkeypatch.setattr(store_module, "CUDA_DECODE_MIN_WORK", 1)  # the CUDA C kernel is asked first (and declines)
+    store = make_store(1, 64, 4)
+    meta = AttentionMetadata(torch.tensor([5]), torch.tensor([[0, 1]], dtype=torch.int32),
                              torch.tensor([6], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), [6], [1],
                              recent_rows=torch.tensor([2], dtype=torch.int32))  # fmt: skip
-
-
-def test_a_decode_step_for_the_cuda_decode_stores_pages_and_window_in_one_launch_before_the_kernel(monkeypatch):
-    """Where the CUDA C decode is asked first (and declines here): the step's token goes to the pages and the
-    window first, then a decode that reads the window."""
-    calls = record_fast_path(monkeypatch, cuda_min_work=1)
-    store = make_store(1, 64, 4)
-    meta = decode_step_metadata()
     store.write(torch.randn(1, 1, 64), torch.randn(1, 1, 64), meta.slot_mapping, torch.tensor([5]))
     store.attend(torch.randn(1, 1, 64), meta, 0.125)
     assert [name for name, _ in calls] == ["store", "cuda", "triton"]
     assert calls[0][1]["recent"] is store.recent and calls[0][1]["recent_rows"] is meta.recent_rows
     assert calls[1][1]["recent"] is store.recent
     assert calls[2][1]["recent"] is store.recent and calls[2][1]["new_tokens"] is None
-
-
-def test_a_decode_step_for_the_triton_decode_hands_it_the_step_to_store(monkeypatch):
-    """Below the CUDA C decode's work: no store launch; the Triton decode gets the step's write with the window
-    (it stores pages and ring row itself). A write that is not this step's (other slots) is stored first."""
-    calls = record_fast_path(monkeypatch, cuda_min_work=10**9)
-    store = make_store(1, 64, 4)
-    meta = decode_step_metadata()
-    store.write(torch.randn(1, 1, 64), torch.randn(1, 1, 64), meta.slot_mapping, torch.tensor([5]))
-    step = store._pending
-    store.attend(torch.randn(1, 1, 64), meta, 0.125)
-    assert [name for name, _ in calls] == ["triton"]
-    assert calls[0][1]["new_tokens"] is step and calls[0][1]["recent"] is store.recent
-    calls.clear()
-    store.write(torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.tensor([5]), torch.tensor([5]))
-    store.attend(torch.randn(1, 1, 64), meta, 0.125)
-    assert [name for name, _ in calls] == ["store", "triton"] and calls[1][1]["new_tokens"] is None
-

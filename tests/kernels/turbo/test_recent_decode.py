@@ -34,16 +34,6 @@ def decode_step(seq_lens, kv_heads, gqa, head_dim, k_kind, v_kind, window, offse
     Sequence s holds seq_lens[s] tokens after the step: positions < seq_lens[s] - 1 written before (pages by the
     CPU store, the ring's last W - 1 of them by recent_values), the last one by store_turbo with the ring. A
     seq_len-0 row is a padding row: slot -1, which must store nothing."""
-    *case, new = unstored_step(seq_lens, kv_heads, gqa, head_dim, k_kind, v_kind, window, offset, ring_dtype, seed)
-    store, recent, meta = case[:3]
-    store_turbo(new.k, new.v, new.slot_mapping, new.positions, store.k, store.v, store.signs, store.inv_sqrt,
-                new.key_offset, new.key_offset_turns, recent=recent, recent_rows=meta.recent_rows)
-    return case
-
-
-def unstored_step(seq_lens, kv_heads, gqa, head_dim, k_kind, v_kind, window, offset=None, ring_dtype=torch.float32,
-                  seed=0):
-    """decode_step's case before the step's store, and the step's write as NewTokens."""
     gen = torch.Generator().manual_seed(seed)
     tables, num_pages = shuffled_tables([max(n, 1) for n in seq_lens], PAGE, gen, spare=2)
     store = TurboKVStore(num_pages, PAGE, kv_heads, head_dim, k_kind, v_kind, "cpu", torch.float32)
@@ -76,14 +66,15 @@ def unstored_step(seq_lens, kv_heads, gqa, head_dim, k_kind, v_kind, window, off
         values.append(v[:n])
     new_k, new_v = torch.stack(new_k), torch.stack(new_v)
     slot_mapping, positions = torch.tensor(new_slots), torch.tensor(new_positions)
+    store_turbo(new_k, new_v, slot_mapping, positions, store.k, store.v, store.signs, store.inv_sqrt, store.key_offset,
+                store.offset_turns, recent=recent, recent_rows=rows)
     meta = AttentionMetadata(slot_mapping, tables, torch.tensor(seq_lens, dtype=torch.int32),
                              torch.arange(num_seqs + 1, dtype=torch.int32), list(seq_lens), [1] * num_seqs,
                              recent_rows=rows)
     q = torch.randn(num_seqs, kv_heads * gqa, head_dim, generator=gen)
     step_k = recent_values(new_k, positions, store.key_offset, torch.float32)
     step_v = recent_values(new_v, positions, None, torch.float32)
-    new = NewTokens(new_k, new_v, slot_mapping, positions, store.key_offset, store.offset_turns)
-    return store, recent, meta, q, keys, values, step_k, step_v, new
+    return store, recent, meta, q, keys, values, step_k, step_v
 
 
 def oracle(q, store, meta, keys, values, window, scale):
@@ -153,32 +144,6 @@ def test_decode_with_recent_window_matches_reference_and_float64(head_dim, gqa, 
     assert torch.equal(got[~live], torch.zeros_like(got[~live])), "a seq_len-0 row attends to nothing: zeros"
 
 
-@pytest.mark.parametrize("head_dim,gqa,k_kind,v_kind,window,pairs,splits,block", [CASES[1], CASES[3], CASES[4]])
-def test_the_decode_stores_the_step_itself_as_the_store_kernel_would(head_dim, gqa, k_kind, v_kind, window, pairs,
-                                                                      splits, block):
-    """new_tokens with the window: one more program stores the step's token (pages and ring row) while the ring's
-    program takes it from registers. Against the store kernel then the decode: the same output, the same pages
-    and ring, bit for bit (padding rows included: they store nothing)."""
-    kv_heads = 2 if head_dim == 64 else 1
-    offset = None if pairs is None else offset_for(kv_heads, head_dim, 10000.0, seed=head_dim + window,
-                                                   turned_pairs=None if pairs == "all" else pairs)
-    lengths = lengths_for(window, 130 if block == 64 else 100)
-    case = (lengths, kv_heads, gqa, head_dim, k_kind, v_kind, window, offset)
-    stored, recent, meta, q, *_ = decode_step(*case, seed=gqa + window)
-    fresh, fresh_recent, fresh_meta, fresh_q, *_, new = unstored_step(*case, seed=gqa + window)
-    launch = dict(num_splits=splits, block_n=block)
-    want = decode_attention_triton(q, stored.k, stored.v, meta, head_dim**-0.5, stored.signs, stored.inv_sqrt,
-                                   stored.key_offset if stored.offset_turns else None, recent=recent, **launch)
-    got = decode_attention_triton(fresh_q, fresh.k, fresh.v, fresh_meta, head_dim**-0.5, fresh.signs, fresh.inv_sqrt,
-                                  fresh.key_offset if fresh.offset_turns else None, new_tokens=new,
-                                  recent=fresh_recent, **launch)
-    assert torch.equal(got, want), (got - want).abs().max()
-    for name in ("k", "v"):
-        assert torch.equal(getattr(fresh, name).codes, getattr(stored, name).codes), f"{name} codes"
-        assert torch.equal(getattr(fresh, name).norms, getattr(stored, name).norms), f"{name} norms"
-        assert torch.equal(getattr(fresh_recent, name), getattr(recent, name)), f"ring {name}"
-
-
 def test_decode_with_recent_window_head_dim_256():
     window = 5
     store, recent, meta, q, keys, values, *_ = decode_step([1, 5, 6, 33], 1, 2, 256, "turbo3", "turbo4", window,
@@ -222,6 +187,9 @@ def test_window_covering_everything_reads_no_page_and_window_one_reads_only_the_
 def test_recent_window_arguments_are_checked():
     store, recent, meta, q, *_ = decode_step([3, 9], 1, 2, 64, "turbo3", "turbo3", 4, seed=13)
     args = (q, store.k, store.v, meta, 1.0, store.signs, store.inv_sqrt)
+    new = NewTokens(q[:, :1], q[:, :1], meta.slot_mapping, meta.seq_lens - 1, None, False)
+    with pytest.raises(ValueError, match="new_tokens"):
+        decode_attention_triton(*args, new_tokens=new, recent=recent)
     no_rows = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 meta.seq_lens_cpu, meta.query_lens_cpu)
     with pytest.raises(ValueError, match="meta.recent_rows"):
