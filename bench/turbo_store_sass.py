@@ -31,14 +31,17 @@ from server.kernels.turbo import quantize  # noqa: E402
 TYPES = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", "k_codes": "*u8", "v_codes": "*u8",
          "k_norms": "*fp16", "v_norms": "*fp16", "k_mid": "*fp32", "v_mid": "*fp32", "k_cent": "*fp32",
          "v_cent": "*fp32", "pos_ptr": "*i64", "k_const": "*fp32", "k_mean": "*fp32", "k_sink": "*fp32", "inv_freq": "*fp32",
-         "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32"}
+         "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32", "recent_k_ptr": "*bf16",
+         "recent_v_ptr": "*bf16", "recent_rows_ptr": "*i32"}
 SETTINGS = [(16, 4), (32, 4), (64, 8)]  # (rows per tile, warps)
 
 
-def store_loop(bits: int, rows: int, warps: int) -> tuple[list[str], dict]:
+def compile_store(bits: int, rows: int, warps: int, recent: bool = False, pdl: bool = False):
+    """The store kernel compiled for sm_90 (turbo ``bits`` K and V, turned key offset; ``recent``: with the recent
+    window's ring, RECENT; ``pdl``: as a programmatic dependent launch, USE_PDL)."""
     constants = {"H": 8, "PAGE_SIZE": 16, "ROWS": rows, "D": 128, "G": 128, "LOG2_G": 7, "K_BITS": bits,
                  "V_BITS": bits, "K_OFFSET": "turned", "STAGES": 1, "ASM": True,
-                 "RECENT": False, "USE_PDL": False}
+                 "RECENT": recent, "USE_PDL": pdl}
     fn = quantize._store_kernel
     signature, constexprs = {}, {}
     for name, param in zip(fn.arg_names, fn.params):
@@ -47,7 +50,11 @@ def store_loop(bits: int, rows: int, warps: int) -> tuple[list[str], dict]:
         else:
             signature[name] = TYPES.get(name, "i32")
     strides = frozenset(name for name in signature if "stride" in name)  # multiples of 16 in a real launch
-    kernel = compile_sm90(fn, signature, constexprs, warps, strides)
+    return compile_sm90(fn, signature, constexprs, warps, strides)
+
+
+def store_loop(bits: int, rows: int, warps: int) -> tuple[list[str], dict]:
+    kernel = compile_store(bits, rows, warps)
     _, resources = sass_counts(kernel)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

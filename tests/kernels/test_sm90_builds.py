@@ -1,0 +1,42 @@
+"""The turbo decode and store kernels compile for sm_90 in the configurations the engine launches (no GPU needed).
+
+The CPU interpreter runs code the GPU compiler rejects (5ea4230: a name rebound with another type in one
+constexpr branch compiled nowhere but passed every interpreter test), so CI also compiles these builds offline
+with Triton's bundled ptxas (bench/sass.py), in a process of its own: the suite's interpreter setting would make
+every kernel an interpreted one.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+BUILDS = """
+import sys
+from bench import turbo_sass, turbo_store_sass
+builds = [
+    *[dict(bits_k=3, bits_v=3, recent=recent, offset=offset) for recent in (False, True) for offset in (None, 8)],
+    dict(bits_k=4, bits_v=2, head_dim=64, gqa=3, recent=True, offset=8),  # mixed kinds, D = 64, GQA 3
+    dict(bits_k=3, bits_v=3, offset=8, store=True),  # the fused write (TURBOSERVE_FUSED_TURBO_STORE=1)
+]
+for b in builds:
+    bits_k, bits_v = b.pop("bits_k"), b.pop("bits_v")
+    turbo_sass.compile_decode(bits_k, bits_v, 64, 4, max_registers=128, **b)
+    print("decode", bits_k, bits_v, b, flush=True)
+for recent in (False, True):
+    turbo_store_sass.compile_store(3, 8, 4, recent=recent, pdl=True)
+    print("store, recent", recent, flush=True)
+"""
+
+
+def test_turbo_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", BUILDS], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert done.stdout.count("\n") == 8, done.stdout
