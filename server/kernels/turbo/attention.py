@@ -413,7 +413,9 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
         else:  # the same step over exact rows: the ring holds rotate(k - o(p)) like the pages, and no norms
             ring_row = tl.load(recent_rows_ptr + seq).to(tl.int64)
             q_natural = _permute_columns(q, GQA_PAD, D, K_UNDO)
-            for t0 in range(paged_len, seq_len, BLOCK):
+            # Not pipelined: its cp.async stages took 32 KB more shared memory (57 KB a program, so 3 programs
+            # an SM instead of 4 for every program of the launch, sm_90), for a loop of 2-3 steps.
+            for t0 in tl.range(paged_len, seq_len, BLOCK, num_stages=1):
                 tok = t0 + tl.arange(0, BLOCK)
                 valid = tok < seq_len
                 if OFFSET:
