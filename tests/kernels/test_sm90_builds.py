@@ -1,5 +1,6 @@
 """The hot Triton kernels compile for sm_90 in the configurations the engine launches (no GPU needed): the turbo
-decode and store, the rotation, the quantized experts' decode bodies.
+decode and store, the rotation, the quantized experts' decode bodies; and the turbo decode's builds leave room in
+shared memory for the programs an SM its register cap plans for.
 
 The CPU interpreter runs code the GPU compiler rejects (5ea4230: a name rebound with another type in one
 constexpr branch compiled nowhere but passed every interpreter test), so CI also compiles these builds offline
@@ -24,9 +25,14 @@ builds = [
     dict(bits_k=4, bits_v=2, head_dim=64, gqa=3, recent=True, offset=8),  # mixed kinds, D = 64, GQA 3
     dict(bits_k=3, bits_v=3, offset=8, store=True),  # the fused write (TURBOSERVE_FUSED_TURBO_STORE=1)
 ]
+from server.kernels.turbo import attention
+# MAX_REGISTERS plans RESIDENT_PROGRAMS programs an SM; shared memory must not cut that (an H200 SM gives 228 KB,
+# less 1 KB a block reserved; 20d660f: the window's pipelined ring loop took 57 KB a program, so 3 fit)
+budget = 233472 // attention.RESIDENT_PROGRAMS - 2048
 for b in builds:
     bits_k, bits_v = b.pop("bits_k"), b.pop("bits_v")
-    turbo_sass.compile_decode(bits_k, bits_v, 64, 4, max_registers=128, **b)
+    kernel = turbo_sass.compile_decode(bits_k, bits_v, 64, 4, max_registers=attention.MAX_REGISTERS, **b)
+    assert kernel.metadata.shared <= budget, f"decode {bits_k} {bits_v} {b}: {kernel.metadata.shared} bytes shared"
     print("decode", bits_k, bits_v, b, flush=True)
 for recent in (False, True):
     turbo_store_sass.compile_store(3, 8, 4, recent=recent, pdl=True)
