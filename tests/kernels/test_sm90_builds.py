@@ -2,7 +2,7 @@
 decode and store, the rotation, the quantized experts' decode bodies; and the turbo decode's builds leave room in
 shared memory for the programs an SM its register cap plans for.
 
-The CPU interpreter runs code the GPU compiler rejects (5ea4230: a name rebound with another type in one
+The CPU interpreter runs code the GPU compiler rejects (7a08627, reverted: a name rebound with another type in one
 constexpr branch compiled nowhere but passed every interpreter test), so CI also compiles these builds offline
 with Triton's bundled ptxas (bench/sass.py), in a process of its own: the suite's interpreter setting would make
 every kernel an interpreted one.
