@@ -82,7 +82,7 @@ COLUMN_ORDER = {(2, 128): (1, 0, 2, 3), (3, 128): (1, 0, 2, 3), (4, 128): (2, 0,
 # program, beyond it every step (_turned_offset has the sm_90 counts for both).
 EARLY_PAD_COLUMNS = tl.constexpr(32)
 MERGE_SPLIT_TILE = 64  # splits a merge program reads at once ([64, D] float32: 64 registers a thread at D = 128)
-MERGE_NUM_WARPS = 2  # vs 4: 3.92 vs 4.19 us a layer at batch 1, 2K (H200, docs/BENCHMARKS.md 17:31 block); 1: 4.62
+MERGE_NUM_WARPS = 2  # vs 4: 3.92 vs 4.19 us a layer at batch 1, 2K; 1: 4.62 (H200, BENCHMARKS "short contexts")
 
 
 @triton.jit
