@@ -19,6 +19,7 @@ import torch
 from test_attention import attention64, decode64, oracle, scenario
 from test_decode_key_offset import decode_case, offset_for
 from test_key_offset import offset64, represented_keys, rope_keys
+from test_recent_decode import window_oracle64
 from turbo_oracle import rotation_matrix64, shuffled_tables, slots_of
 
 from server.kernels.paged_kv import AttentionMetadata
@@ -421,33 +422,19 @@ def recent_case(seq_lens, size, kv_heads, gqa, head_dim, k_kind, v_kind, dtype, 
 
 
 def recent_oracle(q64, store, ring, meta, scale):
-    """Float64 attention with the window: position j of a sequence of n reads its ring row's values (rotated back
-    with the explicit matrix, plus o(j)) when j >= n - W, its decoded pages (plus o(j)) below; zeros for n = 0."""
-    head_dim, size, page = store.head_dim, ring.size, store.page_size
-    group, kv_heads = group_size(head_dim), store.num_kv_heads
+    """test_recent_decode.window_oracle64 reading the ring: its rows rotated back with the explicit matrix, plus o(j)."""
+    group = group_size(store.head_dim)
     r = rotation_matrix64(group)
-    paged_k, paged_v = decode64(store.k, head_dim), decode64(store.v, head_dim)
-    out = torch.zeros(q64.shape, dtype=torch.float64)
-    for s, n in enumerate(meta.seq_lens_cpu):
-        if n == 0:
-            continue
-        positions = torch.arange(n)
-        pages, rows = meta.block_tables[s, positions // page].long(), positions % page
-        k, v = paged_k[pages, rows].clone(), paged_v[pages, rows].clone()  # [n, kv_heads, D]
-        near = positions >= n - size
 
-        def exact(x):  # ring rows [m, kv_heads, D] back from the rotated domain
-            return (x.double().reshape(*x.shape[:-1], head_dim // group, group) @ r).reshape(x.shape)
-
+    def exact(s, j):
         row = int(meta.recent_rows[s])
-        k[near] = exact(ring.k[row, positions[near] % size])
-        v[near] = exact(ring.v[row, positions[near] % size])
-        if store.offset_turns:
-            k = k + offset64(store.key_offset, positions)
-        gqa = q64.shape[1] // kv_heads
-        scores = torch.einsum("hd,khd->hk", q64[s], k.repeat_interleave(gqa, 1)) * scale
-        out[s] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v.repeat_interleave(gqa, 1))
-    return out
+        back = [(x[row, j % ring.size].double().reshape(len(j), -1, group) @ r).reshape(len(j), *x.shape[2:])
+                for x in (ring.k, ring.v)]
+        if store.key_offset is not None:
+            back[0] = back[0] + offset64(store.key_offset, j)
+        return back
+
+    return window_oracle64(q64, store, meta, ring.size, scale, exact)
 
 
 def recent_on_gpu(ring, gpu_meta, rows):

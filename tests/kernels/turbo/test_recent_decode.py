@@ -77,26 +77,33 @@ def decode_step(seq_lens, kv_heads, gqa, head_dim, k_kind, v_kind, window, offse
     return store, recent, meta, q, keys, values, step_k, step_v
 
 
-def oracle(q, store, meta, keys, values, window, scale):
-    """Float64: key/value j of a sequence of n tokens (query t = n - 1) as written when j > t - W, else the
-    float64-decoded page (plus o(j), by test_key_offset's complex RoPE); 0 for a seq_len-0 row."""
-    kv_heads, head_dim = store.num_kv_heads, store.head_dim
+def window_oracle64(q, store, meta, window, scale, exact):
+    """Float64 attention of each sequence's query at position n - 1 with a recent window of ``window``: key and
+    value j come from exact(s, j) -> (k, v) float64 [len(j), kv_heads, D] (original domain, o(j) included) when
+    j > n - 1 - W, else from the float64-decoded pages plus o(j) (test_key_offset's complex RoPE); 0 for a
+    seq_len-0 row."""
+    kv_heads, head_dim, page = store.num_kv_heads, store.head_dim, store.page_size
     k_pages, v_pages = decode64(store.k, head_dim), decode64(store.v, head_dim)
+    gqa = q.shape[1] // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
     for s, n in enumerate(meta.seq_lens_cpu):
         if n == 0:
             continue
         j = torch.arange(n)
-        pages, rows = meta.block_tables[s, j // PAGE].long(), j % PAGE
-        k, v = k_pages[pages, rows], v_pages[pages, rows]  # [n, kv_heads, D]
+        pages, rows = meta.block_tables[s, j // page].long(), j % page
+        k, v = k_pages[pages, rows], v_pages[pages, rows]  # [n, kv_heads, D], fresh tensors
         if store.key_offset is not None:
             k = k + offset64(store.key_offset, j)
-        near = (j > n - 1 - window)[:, None, None]
-        k = torch.where(near, keys[s].double(), k).repeat_interleave(q.shape[1] // kv_heads, 1)
-        v = torch.where(near, values[s].double(), v).repeat_interleave(q.shape[1] // kv_heads, 1)
-        probs = torch.softmax(torch.einsum("hd,khd->hk", q[s].double(), k) * scale, dim=-1)
-        out[s] = torch.einsum("hk,khd->hd", probs, v)
+        near = j > n - 1 - window
+        k[near], v[near] = exact(s, j[near])
+        probs = torch.softmax(torch.einsum("hd,khd->hk", q[s].double(), k.repeat_interleave(gqa, 1)) * scale, -1)
+        out[s] = torch.einsum("hk,khd->hd", probs, v.repeat_interleave(gqa, 1))
     return out
+
+
+def oracle(q, store, meta, keys, values, window, scale):
+    """window_oracle64 with the K / V each sequence wrote as its exact values."""
+    return window_oracle64(q, store, meta, window, scale, lambda s, j: (keys[s][j].double(), values[s][j].double()))
 
 
 def reference(q, store, recent, meta, step_k, step_v, scale):
