@@ -23,8 +23,10 @@ Decode (every sequence has one new query), specs/turboquant.md "Decoding":
     per (sequence, KV head) reads the ring's last W: exact rows already rotated (rotate(k - o(p)), rotate(v)) in
     the model's dtype, through the same score / softmax / accumulate step (no norms). A program of its own, not
     a second loop in the last split: the page loop then keeps its registers (sm_90, turbo3, partial offset of 8
-    pairs: 502 instructions a step and one spill vs 513 and six, the plain kernel's 491; H200 timings in
-    bench/turbo_recent_triton.py). RECENT=False compiles the kernel without it;
+    pairs, Triton 3.6: 492 instructions a step and no spill against the plain kernel's 491; the second loop had
+    cost 513 and six spills; H200 timings in bench/turbo_recent_triton.py). Its ring loop is not pipelined, so a
+    program's shared memory stays within the 4 programs an SM that MAX_REGISTERS plans for (41 KB against 57 KB
+    pipelined). RECENT=False compiles the kernel without it;
   * a second small kernel, one program per (sequence, query head), merges the splits
     (log-sum-exp) and applies the one inverse rotation per output.
 
