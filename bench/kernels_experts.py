@@ -177,12 +177,12 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
         for tokens in token_counts:
             sets, n_sets, m = _decode_inputs(shape, tokens, device, gen)
             used = sets[0][2].unique().numel()
-            int8 = moe.int8_activations_enabled(fmt)  # as moe.fused_moe dispatches
+            int8 = moe.int8_decode  # as moe.fused_moe dispatches
             ours = time_ms(lambda j: moe.fused_moe_triton(*sets[j][:3], gu, dn, int8_activations=int8),
                            n_inputs=n_sets, device=device)
             base = time_ms(lambda j: bf16_bmm_moe(sets[j][0], sets[j][2], sets[j][1], base_gu, base_dn, sets[j][3], m),
                            n_inputs=n_sets, device=device)
-            body = _decode_body(fmt, tokens * shape["top_k"], e)
+            body = _decode_body(gu, dn, tokens * shape["top_k"])
             kernels = [_prepared_kernels(s, gu, dn, body) for s in sets[:n_sets]]
             k_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
             nbytes = gu.packed_bytes(used) + dn.packed_bytes(used)
@@ -190,11 +190,11 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
             rows.append(Row(case, ours, base, nbytes, "bf16 bmm", "full op (routing + rotations + "
                             + ("int8 quantization + " if int8 else "") + "kernels)"))
             rows.append(Row(case + " kernels only", k_ms, base, nbytes, "bf16 bmm",
-                            f"two fused launches, {body.upper()} body" + (" (+ 2 rotate+quantize launches)" if body == "dp4a"
-                                                                          else "")))
+                            f"two fused launches, {body.upper()} body" + (" (+ 2 rotate+quantize launches)"
+                                                                          if body in ("dp4a", "cuda_int8") else "")))
             # the other decode bodies on the same inputs, for comparison
             decode_bodies = {"q2_0": ("mma", "gemv", "gemm", "dp4a"), "q1_0": ("gemv", "gemm", "dp4a")}.get(
-                fmt, ("cuda", "gemv", "gemm"))
+                fmt, ("cuda_int8", "cuda", "gemv", "gemm"))
             for other in [b for b in decode_bodies if b != body and b in other_bodies] if body != "gemm" else ():
                 kernels = [_prepared_kernels(s, gu, dn, other) for s in sets[:n_sets]]
                 o_ms = time_ms(lambda j: kernels[j](), n_inputs=n_sets, device=device)
@@ -203,12 +203,16 @@ def _decode_rows(shape: dict, label: str, token_counts, copy_gbs, device, format
     return rows
 
 
-def _decode_body(fmt: str, num_pairs: int, num_experts: int) -> str:
-    """Which body moe.fused_moe runs for bf16 activations: "dp4a", "mma", "gemv" or "gemm"."""
-    if not moe.use_gemv(fmt, num_pairs, num_experts):
+def _decode_body(gu: ExpertWeights, dn: ExpertWeights, num_pairs: int) -> str:
+    """Which body moe.fused_moe runs for bf16 activations: "dp4a", "cuda_int8", "cuda", "mma", "gemv" or "gemm"."""
+    fmt = gu.format
+    if not moe.use_gemv(fmt, num_pairs, gu.shape[0]):
         return "gemm"
-    if moe.int8_activations_enabled(fmt):
-        return "dp4a"
+    if moe.int8_decode:
+        if fmt in ("q1_0", "q2_0"):
+            return "dp4a"
+        if None not in (moe_cuda.int8_kernel(gu, True, torch.bfloat16), moe_cuda.int8_kernel(dn, False, torch.bfloat16)):
+            return "cuda_int8"  # both projections on the integer body, as at the deep shapes
     if fmt in moe.CUDA_DECODE_FORMATS and _cuda_body_available(fmt):
         return "cuda"
     return "mma" if moe.use_mma(fmt, torch.bfloat16, num_pairs) else "gemv"
@@ -226,7 +230,8 @@ def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
     """The two fused launches of moe.fused_moe_triton on prepared inputs (``body``: "cuda" (moe_cuda.py), "mma",
     "gemv" (the Triton body), "gemm", or "dp4a": the two integer-dot launches each after its activations'
     rotate+quantize launch; "dp4a_two_step": the same with the quantization launches of the chain before 6fa2189,
-    which had rotated x in a launch of its own (not timed here) and timed h's quantization without h's rotation)."""
+    which had rotated x in a launch of its own (not timed here) and timed h's quantization without h's rotation);
+    "cuda_int8": e8p/e8p3 on moe_cuda.py's integer body, each launch after its activations' rotate+quantize launch)."""
     x, w, ids, _ = s
     top_k = ids.shape[1]
     xr = gu.rotate_input(x).contiguous()
@@ -248,6 +253,15 @@ def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
                                    gu, dual=True, a_row_div=top_k)
             moe.launch_expert_dp4a(int8_activations.quantize_triton(h, dn.format, dn.group, dn.signs), y, expert_ids,
                                    dn, routing=weights)
+    elif body == "cuda_int8":  # as moe.fused_moe_triton's integer E8 branch
+        expert_ids = ids.reshape(-1).to(torch.int32)
+        kernels = moe_cuda.int8_kernel(gu, True, x.dtype), moe_cuda.int8_kernel(dn, False, x.dtype)
+
+        def run():
+            moe_cuda.launch_expert_cuda_int8(kernels[0], int8_activations.quantize_rows_triton(x, gu.group, gu.signs),
+                                             h, expert_ids, gu, dual=True, a_row_div=top_k)
+            moe_cuda.launch_expert_cuda_int8(kernels[1], int8_activations.quantize_rows_triton(h, dn.group, dn.signs),
+                                             y, expert_ids, dn, routing=routing)
     elif body == "dp4a_two_step":  # the chain before 6fa2189: x rotated beforehand (not timed), h not rotated
         expert_ids = ids.reshape(-1).to(torch.int32).contiguous()
 
@@ -845,7 +859,8 @@ def run_cuda(device: torch.device, copy_gbs: float):
     rows = []
     for shape, label, tokens in ((DEEP, "deep D6144 I2048 E64 top8", (1, 8)), (MIXTRAL, "mixtral D4096 I14336 E8 top2", (1,))):
         try:
-            rows += _decode_rows(shape, label, tokens, copy_gbs, device, formats=("e8p", "e8p3"), other_bodies=("gemv",))
+            rows += _decode_rows(shape, label, tokens, copy_gbs, device, formats=("e8p", "e8p3"),
+                                 other_bodies=("cuda_int8", "cuda", "gemv"))
         except Exception:  # noqa: BLE001 - keep what was measured
             traceback.print_exc()
     return "Quantized MoE experts: e8p/e8p3 decode on the CUDA C tensor-core body vs Triton GEMV vs bf16 bmm", rows

@@ -37,24 +37,34 @@ from server.kernels.timing import timed
 
 GROUP = 32
 PLANES = 10
+E8_GROUP = 256  # the E8 formats' integer-MMA body (moe_cuda.py) takes a group per K step of 256 inputs
 INV_127 = float(torch.tensor(1 / 127, dtype=torch.float32))  # fp32(1/127), the scale's factor
 _INV_127 = tl.constexpr(INV_127)
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND is v rounded half to even for |v| < 2^22
 
 
-def group_scales(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [T, K] (K a multiple of GROUP) -> (q [T, K/32, 32] float32 integers in [-127, 127], s [T, K/32] float32)."""
-    if a.shape[-1] % GROUP:
-        raise ValueError(f"8-bit activations come in groups of {GROUP}; a row of {a.shape[-1]} values is not a multiple")
-    g = a.float().reshape(a.shape[0], -1, GROUP)
+def int8_group(fmt: str, k: int) -> int | None:
+    """Values per scale of the 8-bit activations that an integer body multiplies with ``fmt`` weights of ``k``
+    inputs: GROUP for q1_0/q2_0 (moe_dp4a.py), E8_GROUP for e8p/e8p3 (moe_cuda.py's integer body, which takes a
+    group a K step); None where no integer body takes such weights."""
+    group = {"q1_0": GROUP, "q2_0": GROUP, "e8p": E8_GROUP, "e8p3": E8_GROUP}.get(fmt)
+    return group if group and k % group == 0 else None
+
+
+def group_scales(a: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [T, K] (K a multiple of ``group``) -> (q [T, K/group, group] float32 integers in [-127, 127], s [T, K/group]
+    float32)."""
+    if a.shape[-1] % group:
+        raise ValueError(f"8-bit activations come in groups of {group}; a row of {a.shape[-1]} values is not a multiple")
+    g = a.float().reshape(a.shape[0], -1, group)
     s = g.abs().amax(-1) * torch.tensor(INV_127, dtype=torch.float32, device=a.device)
     q = torch.where(s[..., None] > 0, torch.round(g / torch.where(s > 0, s, 1)[..., None]), 0.0)
     return q, s
 
 
-def fake_quantize(a: torch.Tensor) -> torch.Tensor:
-    """The values the integer body multiplies: s·q per group, float32, a's shape."""
-    q, s = group_scales(a)
+def fake_quantize(a: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """The values the integer bodies multiply: s·q per group, float32, a's shape."""
+    q, s = group_scales(a, group)
     return (q * s[..., None]).reshape(a.shape)
 
 
@@ -158,4 +168,83 @@ def quantize_triton(a: torch.Tensor, fmt: str, group: int = 0, signs=None) -> to
         _quantize_kernel[grid](a, out, first, second, rotation.inv_sqrt_group(max(rot, 1)), groups, a.stride(0),
                                out.stride(0), FORMAT=FORMAT_IDS[fmt], BLOCK_G=block_g, ROTATION=rot,
                                LOG2_ROTATION=max(rot, 1).bit_length() - 1, **pdl.launch_options(a.device))
+    return out
+
+
+# ---- E8 formats: groups of E8_GROUP, q in input order (moe_cuda.py's integer-MMA body) --------------------------
+# A row of K activations is int32 words: K/4 words of q (byte b of word w is q[4w + b]), then one float32 scale per
+# group, then Σq per group, padded to a multiple of 4 words so that every row starts 16-byte aligned.
+
+
+def row_words(k: int) -> int:
+    """int32 words of one quantized row of ``k`` activations (quantize_rows_reference's layout)."""
+    return -(-(k // 4 + 2 * (k // E8_GROUP)) // 4) * 4
+
+
+def quantize_rows_reference(a: torch.Tensor, group: int = 0, signs=None) -> torch.Tensor:
+    """a [T, K] (K a multiple of E8_GROUP) -> int32 [T, row_words(K)] (layout above; the padding words are 0), in
+    torch; with ``signs`` of R·a stored in a's dtype first (as quantize_reference)."""
+    if signs is not None:
+        a = rotation.rotate_reference(a, group, signs=signs).to(a.dtype)
+    q, s = group_scales(a, E8_GROUP)
+    t, k = a.shape
+    qb = (q.reshape(t, k // 4, 4).to(torch.int64) & 0xFF) << (8 * torch.arange(4, device=a.device))
+    words = qb.sum(-1)
+    out = torch.zeros((t, row_words(k)), dtype=torch.int32, device=a.device)
+    out[:, : k // 4] = (words - (words >= 1 << 31).long() * (1 << 32)).to(torch.int32)
+    groups = k // E8_GROUP
+    out[:, k // 4 : k // 4 + groups] = s.view(torch.int32)
+    out[:, k // 4 + groups : k // 4 + 2 * groups] = q.sum(-1).to(torch.int32)
+    return out
+
+
+@triton.jit
+def _quantize_rows_kernel(a_ptr, out_ptr, first_ptr, second_ptr, inv_sqrt, K, G, stride_a, stride_o,
+                          ROTATION: tl.constexpr, LOG2_ROTATION: tl.constexpr, USE_PDL: tl.constexpr):
+    """Group pid1 of activation row pid0 -> its 64 words of q, its scale and its Σq (quantize_rows_reference);
+    ``ROTATION`` and ``USE_PDL`` as in _quantize_kernel."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # a is the previous kernel's output
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    if ROTATION:
+        ROWS: tl.constexpr = 256 // ROTATION
+        offs = grp * 256 + tl.arange(0, ROWS)[:, None] * ROTATION + tl.arange(0, ROTATION)[None, :]
+        x = tl.load(a_ptr + row * stride_a + offs).to(tl.float32)
+        y = rotate_rows(x, first_ptr, second_ptr, inv_sqrt, ROWS, ROTATION, LOG2_ROTATION)
+        a = tl.reshape(y.to(a_ptr.dtype.element_ty).to(tl.float32), (64, 4))
+    else:
+        offs = grp * 256 + tl.arange(0, 64)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        a = tl.load(a_ptr + row * stride_a + offs).to(tl.float32)
+    s = tl.max(tl.max(tl.abs(a), 1), 0) * _INV_127  # as group_scales, bit for bit (see _quantize_kernel)
+    v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0))
+    q = ((v + _ROUND) - _ROUND).to(tl.int32)
+    words = tl.sum((q & 0xFF) << (8 * tl.arange(0, 4))[None, :], 1)  # disjoint bytes: the sum is their OR
+    base = out_ptr + row * stride_o
+    tl.store(base + grp * 64 + tl.arange(0, 64), words)
+    tl.store(base + K // 4 + grp, s.to(tl.int32, bitcast=True))
+    tl.store(base + K // 4 + G + grp, tl.sum(tl.sum(q, 1), 0))
+
+
+def quantize_rows_triton(a: torch.Tensor, group: int = 0, signs=None) -> torch.Tensor:
+    """As quantize_rows_reference (with the same rotation, if any; the padding words are left unwritten), one Triton
+    launch of a program per group (a [T, K] rows, any float dtype)."""
+    if a.shape[-1] % E8_GROUP:
+        raise ValueError(f"E8 int8 activations come in groups of {E8_GROUP}; a row of {a.shape[-1]} values is not a multiple")
+    a = a.contiguous()
+    t, k = a.shape
+    out = torch.empty((t, row_words(k)), dtype=torch.int32, device=a.device)
+    first = second = out  # the sign tables' arguments, never read without a rotation
+    rot = 0
+    if signs is not None:
+        rotation.check_group(group, signs)
+        if group > E8_GROUP or E8_GROUP % group:
+            raise ValueError(f"a rotation group of {group} does not tile the {E8_GROUP}-value int8 groups")
+        first, second = (rotation.device_sign_words(w, a.device) for w in signs)
+        rot = group
+    with timed("experts_int8_rows", a.device):
+        _quantize_rows_kernel[(t, k // E8_GROUP)](
+            a, out, first, second, rotation.inv_sqrt_group(max(rot, 1)), k, k // E8_GROUP, a.stride(0), out.stride(0),
+            ROTATION=rot, LOG2_ROTATION=max(rot, 1).bit_length() - 1, **pdl.launch_options(a.device))
     return out

@@ -18,6 +18,7 @@ from server.kernels import pdl
 from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p, moe_cuda
 from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
+from server.kernels.experts.int8_activations import int8_group, quantize_rows_triton
 from server.kernels.experts.int8_activations import quantize_triton as quantize_int8
 from server.kernels.experts.moe_dp4a import _expert_dp4a, sum_top_k_slots
 from server.kernels.experts.moe_gemv import E8_FIELD_MASK, _expert_gemv
@@ -53,12 +54,11 @@ def fused_moe(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWei
             _say_once(f"quantized experts: no Triton body for activations of dtype {x.dtype}; using the reference")
         else:
             try:
-                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down,
-                                        int8_activations=int8_activations_enabled(gate_up.format))
+                return fused_moe_triton(x, topk_weights, topk_ids, gate_up, down, int8_activations=int8_decode)
             except OutOfResources as exc:  # spec "Guards": slower but correct, said once, never silent
                 _say_once(f"quantized experts: {gate_up.format} kernel does not fit this GPU ({exc}); using the reference")
     return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down,
-                               int8_activations=int8_activations_enabled(gate_up.format, reference=True))
+                               int8_activations=int8_reference)
 
 
 # 8-bit activations for q1_0/q2_0 experts (int8_activations.py, moe_dp4a.py). H200, D=6144 I=2048 E=64 top-8,
@@ -79,10 +79,11 @@ def int8_settings(env: str | None) -> tuple[bool, bool]:
 int8_decode, int8_reference = int8_settings(os.environ.get("TURBOSERVE_INT8_EXPERT_ACTIVATIONS"))
 
 
-def int8_activations_enabled(fmt: str, reference: bool = False) -> bool:
-    """Whether experts in ``fmt`` multiply int8-rounded activations: in the GPU decode bodies (int8_decode) or, with
-    ``reference``, in the reference (int8_reference); q1_0/q2_0 only."""
-    return fmt in ("q1_0", "q2_0") and (int8_reference if reference else int8_decode)
+def int8_activations_enabled(w: ExpertWeights, reference: bool = False) -> bool:
+    """Whether a projection with weights ``w`` multiplies int8-rounded activations: in the GPU decode bodies
+    (int8_decode) or, with ``reference``, in the reference (int8_reference); where an integer body takes its K
+    (int8_activations.int8_group)."""
+    return (int8_reference if reference else int8_decode) and int8_group(w.format, w.shape[2]) is not None
 
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
@@ -134,8 +135,17 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
         launch_expert_dp4a(quantize_int8(h, down.format, down.group, down.signs), y_pairs, expert_ids, down,
                            routing=routing)
         return sum_top_k_slots(y_pairs, top_k, x.dtype)
-    xr = gate_up.rotate_input(x).contiguous()
     routing = topk_weights.reshape(-1).float().contiguous()
+    if gemv and int8_activations and gate_up.format in moe_cuda.E8_FORMATS:
+        kernels = moe_cuda.int8_kernel(gate_up, True, x.dtype), moe_cuda.int8_kernel(down, False, x.dtype)
+        if kernels != (None, None):
+            _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through integer MMAs (moe_cuda.py)")
+            # As the dp4a branch: rotate+quantize x, gate_up, rotate+quantize h, down, the top-k sum.
+            expert_ids = topk_ids.reshape(-1).to(torch.int32)
+            _e8_decode(x, h, expert_ids, gate_up, kernels[0], dual=True, a_row_div=top_k)
+            _e8_decode(h, y_pairs, expert_ids, down, kernels[1], routing=routing)
+            return sum_top_k_slots(y_pairs, top_k, x.dtype)
+    xr = gate_up.rotate_input(x).contiguous()
     if gemv and use_mma(gate_up.format, x.dtype, num_pairs):
         blocks = single_pair_blocks(topk_ids, MMA_BLOCK_T)
         launch_expert_mma(xr, h, blocks, gate_up, dual=True, a_row_div=top_k)
@@ -223,6 +233,18 @@ def launch_expert_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
         launch_expert_gemv(a, out, expert_ids, w, dual=dual, routing=routing, a_row_div=a_row_div)
     else:
         moe_cuda.launch_expert_cuda(kernel, a, out, expert_ids, w, dual=dual, routing=routing, a_row_div=a_row_div)
+
+
+def _e8_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights, int8_kernel,
+               dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """One e8p/e8p3 projection in the GEMV regime on unrotated activations ``a``: the integer body on a's int8 rows
+    where it takes w (``int8_kernel``, from moe_cuda.int8_kernel), else the float body on the rotated a."""
+    if int8_kernel is None:
+        launch_expert_decode(w.rotate_input(a).contiguous(), out, expert_ids, w, dual=dual, routing=routing,
+                             a_row_div=a_row_div)
+    else:
+        moe_cuda.launch_expert_cuda_int8(int8_kernel, quantize_rows_triton(a, w.group, w.signs), out, expert_ids, w,
+                                         dual=dual, routing=routing, a_row_div=a_row_div)
 
 
 def launch_expert_dp4a(act: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,

@@ -52,9 +52,11 @@ import torch
 
 from server.kernels import nvrtc
 from server.kernels.experts import e8p
+from server.kernels.experts.int8_activations import E8_GROUP
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.timing import timed
 
+E8_FORMATS = ("e8p", "e8p3")
 K_STEP = 256  # inputs per warp step: 8 codes per lane and row, 4 lanes per row
 MAX_WARPS = 8  # the shared-memory reduction holds 8 warps (MAX_WARPS in SOURCE)
 # Output rows per CTA: dual, 16 gate + 16 up rows (two 16-row tiles, 16 outputs); down, two tiles.
@@ -275,6 +277,174 @@ __device__ __forceinline__ void expert_decode(
     }
 }
 
+__device__ __forceinline__ void mma_u8s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// (a ^ b) & c and (a ^ b) & ~c, one LOP3 each: the XOR of the two lookups folded into the operand masks.
+__device__ __forceinline__ u32 xor_and(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0x28;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 xor_and_not(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0x14;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Byte B of a code word times 4: a table entry's byte offset. The byte permute is the only integer-pipe op; the
+// multiply goes to the FMA pipe (IMAD.SHL), as the integer pipe is the one that binds (ncu, docs/BENCHMARKS.md).
+template <int B>
+__device__ __forceinline__ u32 entry_offset(u32 w) { return __byte_perm(w, 0u, 0x4440u | B) * 4u; }
+
+// The same op on int8 activations (int8_activations.quantize_rows_triton: a row is K int8 q, then per group of 256
+// inputs its scale s and Σq). The nibble words (kernel_tables_int8_cpu) hold n_k of coordinates 0-3 in the low
+// nibbles of their bytes and of 4-7 in the high ones, so N & 0x0F0F0F0F and N & 0xF0F0F0F0 are the u8 A operands
+// n and 16·n of an integer MMA (one LOP3 each, the XOR of the two lookups folded in); the q of the same inputs
+// are its B operand. A K step is one group: Σq·n exact in int32, then Σ a·w = s·(Σq·n / 2 - 3.75·Σq).
+template <bool BF16, bool E8P3, bool DUAL>
+__device__ __forceinline__ void expert_decode_int8(
+        const u32* __restrict__ act, void* __restrict__ out, const int* __restrict__ expert_ids,
+        const float* __restrict__ routing, const u16* __restrict__ codes, const u8* __restrict__ residual,
+        const u16* __restrict__ scale, const u32* __restrict__ table,
+        int n_out, int k, int num_experts, int a_row_div, int stride_a, int stride_out,
+        int stride_ce, int stride_cn, int stride_re, int stride_rn, int stride_se, int stride_sn) {
+    constexpr int TILES = 2;
+    constexpr u32 LOW = 0x0F0F0F0Fu;
+    __shared__ u32 tab[768];  // ABS, SIGN, RES
+    __shared__ float red[MAX_WARPS][TILES][16];
+    for (int i = threadIdx.x; i < (E8P3 ? 768 : 512); i += blockDim.x) tab[i] = table[i];
+    // The word at byte offset OFF of table T (0 ABS, 1 SIGN, 2 RES).
+    #define TAB(T, OFF) (*(const u32*)((const char*)tab + 1024 * (T) + (OFF)))
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int pair = blockIdx.x;
+    int expert = expert_ids[pair];
+    const bool valid = expert >= 0 && expert < num_experts;
+    if (!valid) expert = 0;  // reads stay in bounds; the output is written as 0 below
+
+    const int first = blockIdx.y * (DUAL ? 16 : 32);
+    const u16* crow[TILES][2];
+    const u8* rrow[TILES][2];
+    for (int m = 0; m < TILES; ++m)
+        for (int h = 0; h < 2; ++h) {
+            int r = min(first + (DUAL ? 0 : 16 * m) + g + 8 * h, n_out - 1) + (DUAL ? m * n_out : 0);
+            crow[m][h] = codes + (long long)expert * stride_ce + (long long)r * stride_cn;
+            rrow[m][h] = E8P3 ? residual + (long long)expert * stride_re + (long long)r * stride_rn : (const u8*)0;
+        }
+    const u32* arow = act + (long long)(pair / a_row_div) * stride_a;
+    const int steps = k >> 8;  // K is whole groups
+    const float* group_scale = (const float*)(arow + (k >> 2));
+    const int* group_sum = (const int*)(arow + (k >> 2) + steps);
+
+    float acc[TILES][2];
+    for (int m = 0; m < TILES; ++m) acc[m][0] = acc[m][1] = 0.f;
+    u32x4 cur[TILES][2], nxt[TILES][2];
+    u32x2 rcur[TILES][2], rnxt[TILES][2];
+    const u32x4 zero4 = {0u, 0u, 0u, 0u};
+    const u32x2 zero2 = {0u, 0u};
+    #define LOAD_STEP(dst, rdst, s) do {                                                           \
+        bool live = (s) < steps; int c0 = (s) * 32 + 8 * t;                                        \
+        for (int m = 0; m < TILES; ++m) for (int h = 0; h < 2; ++h) {                              \
+            dst[m][h] = live ? ld_u32x4(crow[m][h] + c0) : zero4;                                  \
+            if (E8P3) rdst[m][h] = live ? ld_u32x2(rrow[m][h] + c0) : zero2;                       \
+        } } while (0)
+    LOAD_STEP(cur, rcur, warp);
+    __syncthreads();  // the tables are in shared memory
+
+    for (int s = warp; s < steps; s += warps) {
+        LOAD_STEP(nxt, rnxt, s + warps);
+        const int c0 = s * 32 + 8 * t;
+        // B, column 0 (lanes g == 0): the q of codes c0 + 2j and c0 + 2j + 1, 8 bytes each (low word: coordinates 0-3)
+        u32x4 x[4];
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] = g == 0 ? ld_u32x4(arow + 2 * (c0 + 2 * j)) : zero4;
+        const float group_s = group_scale[s];
+        const float group_q = (float)group_sum[s];
+        #pragma unroll
+        for (int m = 0; m < TILES; ++m) {
+            int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0}, rlo[4] = {0, 0, 0, 0}, rhi[4] = {0, 0, 0, 0};
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {  // codes 2j (low half of word j) and 2j + 1 (high half)
+                const u32 w0 = word_of(cur[m][0], j), w1 = word_of(cur[m][1], j);  // rows g, g + 8
+                // Code 2j is bytes 0 (s) and 1 (a) of its word, code 2j + 1 bytes 2 and 3; rows g (w0), g + 8 (w1).
+                const u32 a00 = TAB(0, entry_offset<1>(w0)), s00 = TAB(1, entry_offset<0>(w0));
+                const u32 a01 = TAB(0, entry_offset<3>(w0)), s01 = TAB(1, entry_offset<2>(w0));
+                const u32 a10 = TAB(0, entry_offset<1>(w1)), s10 = TAB(1, entry_offset<0>(w1));
+                const u32 a11 = TAB(0, entry_offset<3>(w1)), s11 = TAB(1, entry_offset<2>(w1));
+                mma_u8s8(lo, xor_and(a00, s00, LOW), xor_and(a10, s10, LOW), xor_and(a01, s01, LOW),
+                         xor_and(a11, s11, LOW), x[j].x, x[j].z);
+                mma_u8s8(hi, xor_and_not(a00, s00, LOW), xor_and_not(a10, s10, LOW), xor_and_not(a01, s01, LOW),
+                         xor_and_not(a11, s11, LOW), x[j].y, x[j].w);
+                if (E8P3) {  // residual code i is byte i % 4 of word i / 4
+                    const u32 r0 = j < 2 ? rcur[m][0].x : rcur[m][0].y, r1 = j < 2 ? rcur[m][1].x : rcur[m][1].y;
+                    const u32 m00 = TAB(2, (j & 1) ? entry_offset<2>(r0) : entry_offset<0>(r0));
+                    const u32 m01 = TAB(2, (j & 1) ? entry_offset<3>(r0) : entry_offset<1>(r0));
+                    const u32 m10 = TAB(2, (j & 1) ? entry_offset<2>(r1) : entry_offset<0>(r1));
+                    const u32 m11 = TAB(2, (j & 1) ? entry_offset<3>(r1) : entry_offset<1>(r1));
+                    mma_u8s8(rlo, m00 & LOW, m10 & LOW, m01 & LOW, m11 & LOW, x[j].x, x[j].z);
+                    mma_u8s8(rhi, m00 & ~LOW, m10 & ~LOW, m01 & ~LOW, m11 & ~LOW, x[j].y, x[j].w);
+                }
+            }
+            // Column 0 of C: c0 is row g, c2 row g + 8 (lanes t == 0). Σq·n = lo + hi / 16, exact in float32.
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = 0.5f * ((float)lo[2 * h] + 0.0625f * (float)hi[2 * h]) - 3.75f * group_q;
+                if (E8P3) v += RESIDUAL_INV * (0.5f * ((float)rlo[2 * h] + 0.0625f * (float)rhi[2 * h]) - 2.f * group_q);
+                acc[m][h] += v * group_s;
+            }
+        }
+        for (int m = 0; m < TILES; ++m)
+            for (int h = 0; h < 2; ++h) { cur[m][h] = nxt[m][h]; if (E8P3) rcur[m][h] = rnxt[m][h]; }
+    }
+    #undef LOAD_STEP
+    #undef TAB
+
+    if (t == 0)
+        for (int m = 0; m < TILES; ++m) { red[warp][m][g] = acc[m][0]; red[warp][m][g + 8] = acc[m][1]; }
+    __syncthreads();
+    const int j = threadIdx.x;
+    if (j >= (DUAL ? 16 : 32)) return;
+    float val[TILES];
+    for (int m = 0; m < (DUAL ? 2 : 1); ++m) {
+        const int tile = DUAL ? m : j >> 4, r = j & 15;
+        float v = 0.f;
+        for (int w = 0; w < warps; ++w) v += red[w][tile][r];
+        int row = min(first + (DUAL ? 0 : 16 * tile) + r, n_out - 1) + (DUAL ? m * n_out : 0);
+        val[m] = v * half_to_float(scale[(long long)expert * stride_se + (long long)row * stride_sn]);
+    }
+    const int row = first + j;
+    if (row >= n_out) return;
+    if (DUAL) {
+        float gate = val[0], up = val[1];
+        float h = valid ? gate / (1.f + __expf(-gate)) * up : 0.f;
+        ((u16*)out)[(long long)pair * stride_out + row] = float_to_act<BF16>(h);
+    } else {
+        ((float*)out)[(long long)pair * stride_out + row] = valid ? val[0] * routing[pair] : 0.f;
+    }
+}
+
+#define EXPERT_KERNEL_INT8(NAME, BF16, E8P3, DUAL)                                                        \
+extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
+        const u32* act, void* out, const int* expert_ids, const float* routing, const u16* codes,        \
+        const u8* residual, const u16* scale, const u32* table, int n_out, int k, int num_experts,      \
+        int a_row_div, int stride_a, int stride_out, int stride_ce, int stride_cn, int stride_re,       \
+        int stride_rn, int stride_se, int stride_sn) {                                                  \
+    expert_decode_int8<BF16, E8P3, DUAL>(act, out, expert_ids, routing, codes, residual, scale, table, n_out, \
+        k, num_experts, a_row_div, stride_a, stride_out, stride_ce, stride_cn, stride_re, stride_rn,   \
+        stride_se, stride_sn);                                                                          \
+}
+
+EXPERT_KERNEL_INT8(experts_e8p_gate_up_int8_f16, false, false, true)
+EXPERT_KERNEL_INT8(experts_e8p_gate_up_int8_bf16, true, false, true)
+EXPERT_KERNEL_INT8(experts_e8p_down_int8, false, false, false)
+EXPERT_KERNEL_INT8(experts_e8p3_gate_up_int8_f16, false, true, true)
+EXPERT_KERNEL_INT8(experts_e8p3_gate_up_int8_bf16, true, true, true)
+EXPERT_KERNEL_INT8(experts_e8p3_down_int8, false, true, false)
+
 #define EXPERT_KERNEL(NAME, BF16, E8P3, DUAL)                                                             \
 extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
         const u16* act, void* out, const int* expert_ids, const float* routing, const u16* codes,        \
@@ -301,17 +471,20 @@ def kernel_name(fmt: str, dual: bool, dtype: torch.dtype) -> str:
     return f"experts_{fmt}_{'gate_up' if dual else 'down'}_{'bf16' if dtype == torch.bfloat16 else 'f16'}"
 
 
-def _nibble_word(nibbles: torch.Tensor) -> torch.Tensor:
-    """[..., 8] nibbles of coordinates 0..7 -> int64 words with coordinate 2j at nibble j and 2j + 1 at j + 4
-    (the two halves of A register j)."""
-    place = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
-    return (nibbles.long() << (4 * place)).sum(-1)
+def kernel_name_int8(fmt: str, dual: bool, dtype: torch.dtype) -> str:
+    """The integer-MMA kernel: gate_up writes h in the activations' dtype, down float32."""
+    return f"experts_{fmt}_gate_up_int8_{'bf16' if dtype == torch.bfloat16 else 'f16'}" if dual else f"experts_{fmt}_down_int8"
 
 
-@functools.cache
-def kernel_tables_cpu(dtype: torch.dtype) -> torch.Tensor:
-    """[768] int32: ABS (256 rows a), SIGN (256 sign bytes s), RES (256 residual codes) nibble words, rotated
-    left so that the nibbles of pair 0 sit where `pairs` reads them for activations of ``dtype``.
+# Nibble of coordinate k in a table word. Float body: coordinate 2j at nibble j and 2j + 1 at j + 4 (the two halves of
+# A register j). Integer body: coordinates 0-3 in the low nibbles of bytes 0-3, 4-7 in the high ones.
+_PLACE_FLOAT = (0, 4, 1, 5, 2, 6, 3, 7)
+_PLACE_INT8 = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _table_words(place: tuple[int, ...]) -> torch.Tensor:
+    """[768] int64: ABS (256 rows a), SIGN (256 sign bytes s), RES (256 residual codes) nibble words, coordinate k
+    at nibble place[k].
 
     n_k = (4·w_k + 15)/2 = ABS[a]_k ^ SIGN[s]_k: ABS holds 8 + 2|x_k| (odd); SIGN holds 0xE where coordinate k
     is negative and the shift parity p in bit 0 (with p = 0, 8 - 2|x| = (8 + 2|x|) ^ 0xE; with p = 1 both are
@@ -326,23 +499,55 @@ def kernel_tables_cpu(dtype: torch.dtype) -> torch.Tensor:
     f = s ^ p
     sign_n = ((f[:, None] >> k) & 1) * 0xE | p[:, None]
     res_n = (e8p.residual_table() * 2 + 4).long()
-    words = torch.cat([_nibble_word(abs_n), _nibble_word(sign_n), _nibble_word(res_n)])
-    rot = _FIELD[dtype][0]
-    words = ((words << rot) | (words >> (32 - rot))) & 0xFFFFFFFF
+    shifts = 4 * torch.tensor(place)
+    return torch.cat([(n << shifts).sum(-1) for n in (abs_n, sign_n, res_n)])
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 @functools.cache
-def _tables(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return kernel_tables_cpu(dtype).to(device)
+def kernel_tables_cpu(dtype: torch.dtype) -> torch.Tensor:
+    """[768] int32: the float body's table words (_table_words), rotated left so that the nibbles of pair 0 sit
+    where `pairs` reads them for activations of ``dtype``."""
+    words, rot = _table_words(_PLACE_FLOAT), _FIELD[dtype][0]
+    return _int32(((words << rot) | (words >> (32 - rot))) & 0xFFFFFFFF)
+
+
+@functools.cache
+def kernel_tables_int8_cpu() -> torch.Tensor:
+    """[768] int32: the integer body's table words (_table_words): word & 0x0F0F0F0F holds n of coordinates 0-3 in
+    bytes 0-3, word & 0xF0F0F0F0 16·n of coordinates 4-7."""
+    return _int32(_table_words(_PLACE_INT8))
+
+
+@functools.cache
+def _tables(dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """The float body's tables for activations of ``dtype``; None: the integer body's."""
+    return (kernel_tables_int8_cpu() if dtype is None else kernel_tables_cpu(dtype)).to(device)
 
 
 def supports(a: torch.Tensor, w: ExpertWeights) -> bool:
     """Whether the CUDA body takes activations ``a`` times weights ``w``: e8p/e8p3, fp16/bf16 activations on a GPU,
     K a multiple of 64, and rows aligned for its wide loads (16 bytes of activations and codes, 8 of residuals)."""
-    if w.format not in ("e8p", "e8p3") or a.dtype not in _FIELD or a.device.type != "cuda" or w.shape[2] % 64:
+    if w.format not in E8_FORMATS or a.dtype not in _FIELD or a.device.type != "cuda" or w.shape[2] % 64:
         return False
-    loads = [(a, 16), (w.tensors["codes"], 16)] + ([(w.tensors["residual"], 8)] if w.format == "e8p3" else [])
+    return _aligned([(a, 16), *_weight_loads(w)])
+
+
+def supports_int8(w: ExpertWeights) -> bool:
+    """Whether the integer body takes weights ``w`` (activations from quantize_rows_triton): e8p/e8p3 on a GPU, K whole
+    groups of E8_GROUP (one a K step), rows aligned for the wide loads."""
+    return (w.format in E8_FORMATS and w.device.type == "cuda" and w.shape[2] % E8_GROUP == 0
+            and _aligned(_weight_loads(w)))
+
+
+def _weight_loads(w: ExpertWeights) -> list[tuple[torch.Tensor, int]]:
+    return [(w.tensors["codes"], 16)] + ([(w.tensors["residual"], 8)] if w.format == "e8p3" else [])
+
+
+def _aligned(loads: list[tuple[torch.Tensor, int]]) -> bool:
     return all(t.stride(-1) == 1 and t.data_ptr() % width == 0
                and all(st * t.element_size() % width == 0 for st in t.stride()[:-1]) for t, width in loads)
 
@@ -352,6 +557,14 @@ def expert_kernel(a: torch.Tensor, w: ExpertWeights, dual: bool):
     if not supports(a, w):
         return None
     return nvrtc.cuda_kernel(SOURCE, kernel_name(w.format, dual, a.dtype), a.device)
+
+
+def int8_kernel(w: ExpertWeights, dual: bool, dtype: torch.dtype):
+    """The compiled integer-MMA kernel for weights ``w`` (gate_up writing h in ``dtype``), or None where it cannot
+    take them (the caller's float path)."""
+    if not supports_int8(w) or dtype not in _FIELD:
+        return None
+    return nvrtc.cuda_kernel(SOURCE, kernel_name_int8(w.format, dual, dtype), w.device)
 
 
 # Warps per CTA (they split K) of the gate_up and down launches; module-level so benchmark sweeps set them.
@@ -376,3 +589,22 @@ def launch_expert_cuda(kernel, a: torch.Tensor, out: torch.Tensor, expert_ids: t
             _tables(a.dtype, a.device), n, k, num_e, a_row_div, a.stride(0), out.stride(0),
             codes.stride(0), codes.stride(1), residual.stride(0), residual.stride(1),
             scale.stride(0), scale.stride(1), _FIELD[a.dtype][1]])
+
+
+def launch_expert_cuda_int8(kernel, act: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
+                            dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """As launch_expert_cuda through the integer body (``kernel`` from `int8_kernel`), on activation rows from
+    int8_activations.quantize_rows_triton (act [rows, row_words(K)] int32)."""
+    num_e, rows, k = w.shape
+    n = rows // 2 if dual else rows
+    t = w.tensors
+    codes, scale = t["codes"], t["scale"]
+    residual = t.get("residual", codes)
+    grid = (expert_ids.numel(), -(-n // ROWS_PER_CTA[dual]), 1)
+    block = (32 * max(1, min(warps[dual], MAX_WARPS, k // K_STEP)), 1, 1)
+    with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_int8", act.device):
+        kernel(grid=grid, block=block, args=[
+            act, out, expert_ids, routing if routing is not None else out, codes, residual, scale,
+            _tables(None, act.device), n, k, num_e, a_row_div, act.stride(0), out.stride(0),
+            codes.stride(0), codes.stride(1), residual.stride(0), residual.stride(1),
+            scale.stride(0), scale.stride(1)])
