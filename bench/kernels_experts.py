@@ -24,9 +24,10 @@ EXPERTS_BENCH_QUICK=1 python bench/kernels.py experts: a reduced list (under a m
 compilation): the same correctness check, deep T=1 and T=8 and mixtral T=1 for e8p, e8p3,
 q2_0 and q1_0, no tile sweep, no prefill.
 
-EXPERTS_CUDA=1 python bench/kernels.py experts: e8p/e8p3 on the CUDA C tensor-core body only (moe_cuda.py): its
-checks through the dispatch (check_cuda), its warps sweep (sweep_cuda), and deep T=1 / T=8 and Mixtral T=1 rows of
-the CUDA body ("ours") and the Triton GEMV body (the A/B), about 30 s on a warm H200.
+EXPERTS_CUDA=1 python bench/kernels.py experts: e8p/e8p3 on the CUDA C tensor-core bodies only (moe_cuda.py): their
+checks (check_cuda, check_cuda_int8), the float body's warps sweep (sweep_cuda), and deep T=1 / T=8 and Mixtral T=1
+rows of the dispatched integer body ("ours", on int8 activations), the float CUDA body and the Triton GEMV body
+(the A/B), about a minute on a warm H200.
 
 EXPERTS_DP4A=1 python bench/kernels.py experts: q1_0/q2_0 on 8-bit activations only (moe_dp4a.py): its checks
 (check_dp4a), the A/B of the one-launch rotation and rounding against the two-step chain before it (deep T=1/4/8,
@@ -850,10 +851,46 @@ def check_cuda(device) -> list[str]:
     return [line.replace("GEMV body", "CUDA body") for line in check_gemv(device, formats=("e8p", "e8p3"))]
 
 
+def check_cuda_int8(device) -> list[str]:
+    """The E8 integer body on the device: its activation rows bit for bit against their torch definition (rotation and
+    rounding in one launch, fp16 and bf16), and the op (both projections on the integer body) against the reference
+    with the same rounding at D=6144 I=2048 E=64 top-8, 1 and 8 tokens, bounds DP4A_BOUNDS (the same argument: only
+    the dtype roundings of x and h move a q), and its distance from the float reference; raises on a mismatch."""
+    gen = torch.Generator(device=device).manual_seed(11)
+    lines = []
+    for dtype, k in itertools.product((torch.float16, torch.bfloat16), (6144, 2048)):
+        a = (torch.randn((8, k), generator=gen, device=device) * 3).to(dtype)
+        a[1, 256:512] = 0
+        group = rotation_group(k)
+        signs = random_signs(group, seed=k)
+        used = k // 4 + 2 * k // int8_activations.E8_GROUP
+        got = int8_activations.quantize_rows_triton(a, group, signs)[:, :used]
+        same = torch.equal(got, int8_activations.quantize_rows_reference(a, group, signs)[:, :used])
+        lines.append(f"E8 int8 rows {dtype} 8 x {k} (rotation group {group}): {'identical' if same else 'DIFFER'}")
+        if not same:
+            raise AssertionError(lines[-1])
+    op = functools.partial(moe.fused_moe_triton, gemv=True, int8_activations=True)
+    for fmt in ("e8p", "e8p3"):
+        gu = random_weights(fmt, 64, 2 * 2048, 6144, device, gen)
+        dn = random_weights(fmt, 64, 6144, 2048, device, gen)
+        for dtype, tokens in itertools.product((torch.float16, torch.bfloat16), (1, 8)):
+            seed = int(torch.randint(0, 1 << 30, (1,), generator=gen, device=device))
+            err = _deep_decode_error(op, gu, dn, dtype, tokens, torch.Generator(device=device).manual_seed(seed),
+                                     device, int8_reference=True)
+            err_float = _deep_decode_error(op, gu, dn, dtype, tokens, torch.Generator(device=device).manual_seed(seed),
+                                           device)
+            lines.append(f"{fmt} integer body {dtype} T={tokens}: rel err {err:.2e} vs the int8 reference (bound "
+                         f"{DP4A_BOUNDS[dtype]:.0e}), {err_float:.2e} vs the float reference")
+            if not err < DP4A_BOUNDS[dtype]:
+                raise AssertionError(f"E8 integer body disagrees with the int8 reference: {lines[-1]}")
+    return lines
+
+
 def run_cuda(device: torch.device, copy_gbs: float):
-    """EXPERTS_CUDA=1: e8p / e8p3 decode on the CUDA C tensor-core body (moe_cuda.py): its checks, its warps sweep,
-    and deep T=1 / T=8 and Mixtral T=1 rows of the CUDA and Triton GEMV bodies (kernels only and the full op)."""
-    for line in check_cuda(device):
+    """EXPERTS_CUDA=1: e8p / e8p3 decode on the CUDA C tensor-core bodies (moe_cuda.py): their checks, the float
+    body's warps sweep, and deep T=1 / T=8 and Mixtral T=1 rows of the dispatched body (the integer one, on int8
+    activations), the float CUDA body and the Triton GEMV body (kernels only and the full op)."""
+    for line in check_cuda(device) + check_cuda_int8(device):
         print("correctness:", line, flush=True)
     sweep_cuda(device, copy_gbs)
     rows = []
