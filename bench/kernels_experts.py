@@ -900,7 +900,8 @@ def run_cuda(device: torch.device, copy_gbs: float):
                                  other_bodies=("cuda_int8", "cuda", "gemv"))
         except Exception:  # noqa: BLE001 - keep what was measured
             traceback.print_exc()
-    return "Quantized MoE experts: e8p/e8p3 decode on the CUDA C tensor-core body vs Triton GEMV vs bf16 bmm", rows
+    return ("Quantized MoE experts: e8p/e8p3 decode on int8 activations through integer MMAs vs the float CUDA body "
+            "vs Triton GEMV vs bf16 bmm"), rows
 
 
 def run(device: torch.device, copy_gbs: float):

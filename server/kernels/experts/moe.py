@@ -61,12 +61,15 @@ def fused_moe(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: ExpertWei
                                int8_activations=int8_reference)
 
 
-# 8-bit activations for q1_0/q2_0 experts (int8_activations.py, moe_dp4a.py). H200, D=6144 I=2048 E=64 top-8,
-# kernels only (docs/BENCHMARKS.md, dp4a block of 07:13 UTC): q2_0 one token 61.6 -> 34.7 us (32 -> 58 % of copy),
-# 8 tokens 400 -> 180 us (40 -> 89 %); q1_0 63.3 -> 28.7 and 408 -> 136 us. Quality (CPU, SmolLM2-135M, 4 x 2048
-# tokens): perplexity with q2_0 MLPs 2289.95 -> 2295.08 (+0.22 %), with unquantized bf16 MLPs (raw activations)
-# 25.647 -> 25.693 (+0.18 %). So the GPU decode bodies take it by default; the reference (which the CPU runs, and
-# the GPU for prefill-sized calls through the GEMM body) stays unrounded unless asked.
+# 8-bit activations for the integer decode bodies: q1_0/q2_0 per 32 (int8_activations.py, moe_dp4a.py), e8p/e8p3
+# per 256 where K is whole groups (moe_cuda.py's integer body). H200, D=6144 I=2048 E=64 top-8, kernels only
+# (docs/BENCHMARKS.md, dp4a block of 07:13 UTC): q2_0 one token 61.6 -> 34.7 us (32 -> 58 % of copy), 8 tokens
+# 400 -> 180 us (40 -> 89 %); q1_0 63.3 -> 28.7 and 408 -> 136 us; the whole op, 19:40 UTC block: e8p 83.8 -> 64.3
+# and 399.8 -> 345.9 us, e8p3 120.7 -> 88.4 and 684.1 -> 519.4 us. Quality (CPU, SmolLM2-135M, 4 x 2048 tokens):
+# perplexity with q2_0 MLPs 2289.95 -> 2295.08 (+0.22 %), with unquantized bf16 MLPs (raw activations) 25.647 ->
+# 25.693 (+0.18 %), with e8p3 MLPs (down rounded per 256; gate_up's K = 576 is not whole groups) 52.523 -> 52.548
+# (+0.05 %, 19:40 block). So the GPU decode bodies take it by default; the reference (which the CPU runs, and the GPU for
+# prefill-sized calls through the GEMM body) stays unrounded unless asked.
 # TURBOSERVE_INT8_EXPERT_ACTIVATIONS: unset = that default; "0" = never; "1" = also the reference, so that CPU
 # perplexity measures the rounding on every token.
 def int8_settings(env: str | None) -> tuple[bool, bool]:

@@ -34,14 +34,22 @@ loads of the next step are issued before the current step's decode (16-byte load
 Requirements (`supports`): fp16/bf16 activations, K a multiple of 64 (whole 16-byte code loads per row), 16-byte
 aligned rows; otherwise the caller keeps the Triton body.
 
-Measured (H200, kernels only, D=6144 I=2048 E64 top-8; HQ block of 2026-11-30 08:50 UTC): e8p one token 65.8 us
-(27 % of copy; Triton GEMV 102.6), 8 tokens 382 us (37 %; 700); e8p3 102.5 us (26 %; 156.5), 666 us (32 %; 1100).
-By the SASS count (at 1.98 GHz) that fills 44 % of the SMs' issue slots at 8 tokens, and the tables' bank conflicts are not
-the bound either: a variant with the tables in 32 copies (each lane its own bank, conflict-free), 13 % fewer
-instructions a code (PRMT-built table offsets, no zeroing of predicated loads) and persistent 8-warp CTAs ran
-slower (e8p 78.3 us and 478 us, 09:00 UTC run) with 16 warps an SM against up to 24 here. So the likely bound
-(inferred, not profiled) is the weight bytes in flight per SM (one 2 KiB step per warp): the next thing to try is
-a deeper load pipeline.
+Two bodies. The float one (`expert_decode`) takes fp16/bf16 activations as above. The integer one
+(`expert_decode_int8`, the default where K is whole groups of 256, moe.py) takes int8 activations in groups of 256
+(int8_activations.quantize_rows_triton: the rotation and the rounding in one launch) and multiplies the nibbles
+n themselves: in its tables (kernel_tables_int8_cpu) coordinates 0-3 sit in the low nibbles of the word's bytes
+and 4-7 in the high ones, so N & 0x0F0F0F0F (n) and N & 0xF0F0F0F0 (16·n) are the u8 A operands of two
+mma.m16n8k32 against the s8 activations, each one LOP3 with the XOR of the two lookups folded in; a table offset
+is a byte permute plus a multiply by 4 that ptxas puts on the FMA pipe. A K step is one group, so its int32 sums
+are exact and become Σ a·w = s·(Σq·n / 2 - 3.75·Σq) once a step.
+
+Measured (H200, D=6144 I=2048 E64 top-8, docs/BENCHMARKS.md 19:40 UTC block): the whole op at one token e8p
+64.3 us (28 % of copy; the float body's op 83.8 us at 08:50), 8 tokens 345.9 us (41 %; 399.8); e8p3 88.4 us and
+519.4 us (120.7, 684.1). ncu showed the float body bound by the integer pipe (73 % busy, 3.1 shared-memory
+wavefronts a table load from bank conflicts); the integer body issues 459 instructions a K step (its first
+form 558, at the same speed) with the ALU 41 % busy, and what binds it now is the conflicted table loads and the latency of the code stream (stalls MIO
+throttle, short and long scoreboard). Tried and slower, in that block: lane-private conflict-free tables (64 KiB
+a CTA: they take the L1's capacity), 16 table copies, the activation row staged in shared memory.
 """
 
 from __future__ import annotations
