@@ -152,6 +152,54 @@ __device__ __forceinline__ u16 float_to_act(float f) {
     return h;
 }
 
+// Weight row of output r of tile ``tile`` in the CTA's rows from ``first``: DUAL tiles are the gate rows (0) and the
+// up rows (1, stored n_out further) of the same 16 outputs; else tile m holds outputs 16m .. 16m + 15. Clamped:
+// surplus rows read real data and are dropped at the store.
+template <bool DUAL>
+__device__ __forceinline__ int weight_row(int first, int tile, int r, int n_out) {
+    return min(first + (DUAL ? 0 : 16 * tile) + r, n_out - 1) + (DUAL ? tile * n_out : 0);
+}
+
+// The code (and residual) rows of this lane: tile m holds rows g and g + 8 of its 16.
+template <bool E8P3, bool DUAL>
+__device__ __forceinline__ void lane_rows(const u16* codes, const u8* residual, int expert, int first, int g, int n_out,
+        int stride_ce, int stride_cn, int stride_re, int stride_rn, const u16* crow[2][2], const u8* rrow[2][2]) {
+    for (int m = 0; m < 2; ++m)
+        for (int h = 0; h < 2; ++h) {
+            const int r = weight_row<DUAL>(first, m, g + 8 * h, n_out);
+            crow[m][h] = codes + (long long)expert * stride_ce + (long long)r * stride_cn;
+            rrow[m][h] = E8P3 ? residual + (long long)expert * stride_re + (long long)r * stride_rn : (const u8*)0;
+        }
+}
+
+// The codes of K step s: a lane's 8 codes of each of its rows, one 16-byte load each (8 bytes of residuals). Steps
+// past K, and chunks past K in a partial last step, read nothing (code 0, against zero activations).
+template <bool E8P3>
+__device__ __forceinline__ void load_step(const u16* const crow[2][2], const u8* const rrow[2][2], int s, int steps,
+                                          int k8, int t, u32x4 dst[2][2], u32x2 rdst[2][2]) {
+    const int c0 = s * 32 + 8 * t;
+    const bool live = s < steps && c0 < k8;
+    for (int m = 0; m < 2; ++m)
+        for (int h = 0; h < 2; ++h) {
+            dst[m][h] = live ? ld_u32x4(crow[m][h] + c0) : u32x4{0u, 0u, 0u, 0u};
+            if (E8P3) rdst[m][h] = live ? ld_u32x2(rrow[m][h] + c0) : u32x2{0u, 0u};
+        }
+}
+
+// Output row ``row`` of pair ``pair`` from its gate and up values (DUAL: silu(gate)·up in the activations' dtype)
+// or its value (× the pair's routing weight, float32); an invalid expert id writes 0.
+template <bool BF16, bool DUAL>
+__device__ __forceinline__ void store_output(void* out, const float* routing, const float* val, int pair, int row,
+                                             bool valid, int stride_out) {
+    if (DUAL) {
+        const float gate = val[0], up = val[1];
+        const float h = valid ? gate / (1.f + __expf(-gate)) * up : 0.f;
+        ((u16*)out)[(long long)pair * stride_out + row] = float_to_act<BF16>(h);
+    } else {
+        ((float*)out)[(long long)pair * stride_out + row] = valid ? val[0] * routing[pair] : 0.f;
+    }
+}
+
 // One CTA: pair blockIdx.x, output rows block blockIdx.y; warps split K and add up in shared memory.
 template <bool BF16, bool E8P3, bool DUAL>
 __device__ __forceinline__ void expert_decode(
@@ -175,17 +223,10 @@ __device__ __forceinline__ void expert_decode(
     const bool valid = expert >= 0 && expert < num_experts;
     if (!valid) expert = 0;  // reads stay in bounds; the output is written as 0 below
 
-    // Rows of this lane: tile m holds rows base_m + g and base_m + g + 8 (clamped: surplus rows read real data
-    // and are dropped at the store).
     const int first = blockIdx.y * (DUAL ? 16 : 32);
     const u16* crow[TILES][2];
     const u8* rrow[TILES][2];
-    for (int m = 0; m < TILES; ++m)
-        for (int h = 0; h < 2; ++h) {
-            int r = min(first + (DUAL ? 0 : 16 * m) + g + 8 * h, n_out - 1) + (DUAL ? m * n_out : 0);
-            crow[m][h] = codes + (long long)expert * stride_ce + (long long)r * stride_cn;
-            rrow[m][h] = E8P3 ? residual + (long long)expert * stride_re + (long long)r * stride_rn : (const u8*)0;
-        }
+    lane_rows<E8P3, DUAL>(codes, residual, expert, first, g, n_out, stride_ce, stride_cn, stride_re, stride_rn, crow, rrow);
     const u16* arow = act + (long long)(pair / a_row_div) * stride_a;
     const int k8 = k >> 3, steps = (k8 + 31) >> 5;
 
@@ -197,22 +238,13 @@ __device__ __forceinline__ void expert_decode(
     u32x4 cur[TILES][2], nxt[TILES][2];
     u32x2 rcur[TILES][2], rnxt[TILES][2];
     const u32x4 zero4 = {0u, 0u, 0u, 0u};
-    const u32x2 zero2 = {0u, 0u};
-    // Loads of the step's codes (a lane's 8 codes of each of its rows); chunks past K read nothing (code 0,
-    // against zero activations).
-    #define LOAD_STEP(dst, rdst, s) do {                                                           \
-        int c0 = (s) * 32 + 8 * t; bool live = (s) < steps && c0 < k8;                             \
-        for (int m = 0; m < TILES; ++m) for (int h = 0; h < 2; ++h) {                              \
-            dst[m][h] = live ? ld_u32x4(crow[m][h] + c0) : zero4;                                  \
-            if (E8P3) rdst[m][h] = live ? ld_u32x2(rrow[m][h] + c0) : zero2;                       \
-        } } while (0)
-    LOAD_STEP(cur, rcur, warp);
+    load_step<E8P3>(crow, rrow, warp, steps, k8, t, cur, rcur);
     __syncthreads();  // the table is in shared memory
     const char *ta = (const char*)abs_tab, *ts = (const char*)sign_tab, *tr = (const char*)res_tab;
     const u32 one2 = BF16 ? 0x3F803F80u : 0x3C003C00u;
 
     for (int s = warp; s < steps; s += warps) {
-        LOAD_STEP(nxt, rnxt, s + warps);
+        load_step<E8P3>(crow, rrow, s + warps, steps, k8, t, nxt, rnxt);
         const int c0 = s * 32 + 8 * t;
         const bool act_live = g == 0 && c0 < k8;
         #pragma unroll
@@ -247,7 +279,6 @@ __device__ __forceinline__ void expert_decode(
         for (int m = 0; m < TILES; ++m)
             for (int h = 0; h < 2; ++h) { cur[m][h] = nxt[m][h]; if (E8P3) rcur[m][h] = rnxt[m][h]; }
     }
-    #undef LOAD_STEP
 
     // Column 0 of C (the pair) lives in the lanes t == 0: c0 is row g, c2 row g + 8.
     if (t == 0) {
@@ -271,18 +302,10 @@ __device__ __forceinline__ void expert_decode(
         for (int w = 0; w < warps; ++w) { s_main += red[w][tile][r]; s_res += red[w][TILES + tile][r]; }
         float v = 8.f * s_main - 11.75f * sum_x;
         if (E8P3) v += (8.f * s_res - 10.f * sum_x) * RESIDUAL_INV;
-        int row = min(first + (DUAL ? 0 : 16 * tile) + r, n_out - 1) + (DUAL ? m * n_out : 0);
+        const int row = weight_row<DUAL>(first, tile, r, n_out);
         val[m] = v * half_to_float(scale[(long long)expert * stride_se + (long long)row * stride_sn]);
     }
-    const int row = first + j;
-    if (row >= n_out) return;
-    if (DUAL) {
-        float gate = val[0], up = val[1];
-        float h = valid ? gate / (1.f + __expf(-gate)) * up : 0.f;
-        ((u16*)out)[(long long)pair * stride_out + row] = float_to_act<BF16>(h);
-    } else {
-        ((float*)out)[(long long)pair * stride_out + row] = valid ? val[0] * routing[pair] : 0.f;
-    }
+    if (first + j < n_out) store_output<BF16, DUAL>(out, routing, val, pair, first + j, valid, stride_out);
 }
 
 __device__ __forceinline__ void mma_u8s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -337,12 +360,7 @@ __device__ __forceinline__ void expert_decode_int8(
     const int first = blockIdx.y * (DUAL ? 16 : 32);
     const u16* crow[TILES][2];
     const u8* rrow[TILES][2];
-    for (int m = 0; m < TILES; ++m)
-        for (int h = 0; h < 2; ++h) {
-            int r = min(first + (DUAL ? 0 : 16 * m) + g + 8 * h, n_out - 1) + (DUAL ? m * n_out : 0);
-            crow[m][h] = codes + (long long)expert * stride_ce + (long long)r * stride_cn;
-            rrow[m][h] = E8P3 ? residual + (long long)expert * stride_re + (long long)r * stride_rn : (const u8*)0;
-        }
+    lane_rows<E8P3, DUAL>(codes, residual, expert, first, g, n_out, stride_ce, stride_cn, stride_re, stride_rn, crow, rrow);
     const u32* arow = act + (long long)(pair / a_row_div) * stride_a;
     const int steps = k >> 8;  // K is whole groups
     const float* group_scale = (const float*)(arow + (k >> 2));
@@ -353,18 +371,11 @@ __device__ __forceinline__ void expert_decode_int8(
     u32x4 cur[TILES][2], nxt[TILES][2];
     u32x2 rcur[TILES][2], rnxt[TILES][2];
     const u32x4 zero4 = {0u, 0u, 0u, 0u};
-    const u32x2 zero2 = {0u, 0u};
-    #define LOAD_STEP(dst, rdst, s) do {                                                           \
-        bool live = (s) < steps; int c0 = (s) * 32 + 8 * t;                                        \
-        for (int m = 0; m < TILES; ++m) for (int h = 0; h < 2; ++h) {                              \
-            dst[m][h] = live ? ld_u32x4(crow[m][h] + c0) : zero4;                                  \
-            if (E8P3) rdst[m][h] = live ? ld_u32x2(rrow[m][h] + c0) : zero2;                       \
-        } } while (0)
-    LOAD_STEP(cur, rcur, warp);
+    load_step<E8P3>(crow, rrow, warp, steps, k >> 3, t, cur, rcur);
     __syncthreads();  // the tables are in shared memory
 
     for (int s = warp; s < steps; s += warps) {
-        LOAD_STEP(nxt, rnxt, s + warps);
+        load_step<E8P3>(crow, rrow, s + warps, steps, k >> 3, t, nxt, rnxt);
         const int c0 = s * 32 + 8 * t;
         // B, column 0 (lanes g == 0): the q of codes c0 + 2j and c0 + 2j + 1, 8 bytes each (low word: coordinates 0-3)
         u32x4 x[4];
@@ -408,7 +419,6 @@ __device__ __forceinline__ void expert_decode_int8(
         for (int m = 0; m < TILES; ++m)
             for (int h = 0; h < 2; ++h) { cur[m][h] = nxt[m][h]; if (E8P3) rcur[m][h] = rnxt[m][h]; }
     }
-    #undef LOAD_STEP
     #undef TAB
 
     if (t == 0)
@@ -421,18 +431,10 @@ __device__ __forceinline__ void expert_decode_int8(
         const int tile = DUAL ? m : j >> 4, r = j & 15;
         float v = 0.f;
         for (int w = 0; w < warps; ++w) v += red[w][tile][r];
-        int row = min(first + (DUAL ? 0 : 16 * tile) + r, n_out - 1) + (DUAL ? m * n_out : 0);
+        const int row = weight_row<DUAL>(first, tile, r, n_out);
         val[m] = v * half_to_float(scale[(long long)expert * stride_se + (long long)row * stride_sn]);
     }
-    const int row = first + j;
-    if (row >= n_out) return;
-    if (DUAL) {
-        float gate = val[0], up = val[1];
-        float h = valid ? gate / (1.f + __expf(-gate)) * up : 0.f;
-        ((u16*)out)[(long long)pair * stride_out + row] = float_to_act<BF16>(h);
-    } else {
-        ((float*)out)[(long long)pair * stride_out + row] = valid ? val[0] * routing[pair] : 0.f;
-    }
+    if (first + j < n_out) store_output<BF16, DUAL>(out, routing, val, pair, first + j, valid, stride_out);
 }
 
 #define EXPERT_KERNEL_INT8(NAME, BF16, E8P3, DUAL)                                                        \
