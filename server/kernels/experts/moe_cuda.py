@@ -160,6 +160,13 @@ __device__ __forceinline__ int weight_row(int first, int tile, int r, int n_out)
     return min(first + (DUAL ? 0 : 16 * tile) + r, n_out - 1) + (DUAL ? tile * n_out : 0);
 }
 
+// The expert of this CTA's pair; an id outside [0, num_experts) reads expert 0 (in bounds) and writes zeros.
+__device__ __forceinline__ int pair_expert(const int* expert_ids, int num_experts, bool& valid) {
+    const int expert = expert_ids[blockIdx.x];
+    valid = expert >= 0 && expert < num_experts;
+    return valid ? expert : 0;
+}
+
 // The code (and residual) rows of this lane: tile m holds rows g and g + 8 of its 16.
 template <bool E8P3, bool DUAL>
 __device__ __forceinline__ void lane_rows(const u16* codes, const u8* residual, int expert, int first, int g, int n_out,
@@ -218,10 +225,8 @@ __device__ __forceinline__ void expert_decode(
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int pair = blockIdx.x;
-    int expert = expert_ids[pair];
-    const bool valid = expert >= 0 && expert < num_experts;
-    if (!valid) expert = 0;  // reads stay in bounds; the output is written as 0 below
+    bool valid;
+    const int pair = blockIdx.x, expert = pair_expert(expert_ids, num_experts, valid);
 
     const int first = blockIdx.y * (DUAL ? 16 : 32);
     const u16* crow[TILES][2];
@@ -352,10 +357,8 @@ __device__ __forceinline__ void expert_decode_int8(
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int pair = blockIdx.x;
-    int expert = expert_ids[pair];
-    const bool valid = expert >= 0 && expert < num_experts;
-    if (!valid) expert = 0;  // reads stay in bounds; the output is written as 0 below
+    bool valid;
+    const int pair = blockIdx.x, expert = pair_expert(expert_ids, num_experts, valid);
 
     const int first = blockIdx.y * (DUAL ? 16 : 32);
     const u16* crow[TILES][2];

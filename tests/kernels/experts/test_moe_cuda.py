@@ -106,6 +106,17 @@ def _random_weights(fmt, num_e, n, k, seed):
     return weights.quantize(torch.randn(num_e, n, k, generator=gen) / math.sqrt(k), fmt, seed=seed).to("cuda")
 
 
+def down_problem(fmt, num_e, n, k, dtype):
+    """(weights on the GPU, activations [9, K] of ``dtype``, expert ids with pair 1 on pair 0's expert and the last
+    expert without pairs, routing weights) for one down launch."""
+    gen = torch.Generator().manual_seed(1)
+    pairs = 9
+    a = torch.randn(pairs, k, generator=gen).to(dtype)
+    ids = torch.randint(0, num_e - 1, (pairs,), generator=gen)
+    ids[1] = ids[0]
+    return _random_weights(fmt, num_e, n, k, seed=n + k), a, ids, torch.rand(pairs, generator=gen)
+
+
 # (format, experts, rows N, inputs K): K not a multiple of the 256-input step (one partial step) and odd N.
 LAUNCH_CASES = [("e8p", 5, 37, 320), ("e8p3", 3, 70, 192), ("e8p", 2, 16, 1088)]
 
@@ -114,13 +125,7 @@ LAUNCH_CASES = [("e8p", 5, 37, 320), ("e8p3", 3, 70, 192), ("e8p", 2, 16, 1088)]
 @pytest.mark.parametrize("fmt,num_e,n,k", LAUNCH_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_down_launch_matches_float64(fmt, num_e, n, k, dtype):
-    w = _random_weights(fmt, num_e, n, k, seed=n + k)
-    gen = torch.Generator().manual_seed(1)
-    pairs = 9
-    a = torch.randn(pairs, k, generator=gen).to(dtype)
-    ids = torch.randint(0, num_e - 1, (pairs,), generator=gen)  # the last expert gets no pair
-    ids[1] = ids[0]
-    routing = torch.rand(pairs, generator=gen)
+    w, a, ids, routing = down_problem(fmt, num_e, n, k, dtype)
     got = _down_launch(w, a.cuda(), ids, routing).double()
     dense = w.dequantize(dtype=torch.float64).cpu()
     want = routing.double()[:, None] * torch.einsum("pnk,pk->pn", dense[ids], a.double())
@@ -176,20 +181,25 @@ def test_fused_op_through_the_cuda_body_matches_float64_oracle(fmt, num_e, d, i,
 
 @gpu
 @pytest.mark.parametrize("fmt", ["e8p", "e8p3"])
-def test_cuda_body_reads_every_code_it_is_given(fmt):
-    """Flipping one bit of one code of expert 0's gate_up, then down (then the residual for e8p3), changes y."""
-    x, w, ids, gu, dn = _problem(fmt, 2, 128, 128, tokens=2, top_k=1, seed=4)
+@pytest.mark.parametrize("int8", [False, True])
+def test_cuda_bodies_read_every_code_they_are_given(fmt, int8):
+    """Flipping one bit of one code of expert 0's gate_up, then down (then the residual for e8p3), changes y: the
+    float body, and the integer one on int8 activations."""
+    x, w, ids, gu, dn = _problem(fmt, 2, 256, 256, tokens=2, top_k=1, seed=4)
     x, w, ids, gu, dn = x.half().cuda(), w.cuda(), ids.cuda(), gu.to("cuda"), dn.to("cuda")
     ids[:] = 0
-    _kernel_or_skip(x, gu, dual=True)
-    before = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True)
+    if (moe_cuda.int8_kernel(gu, True, x.dtype) if int8 else moe_cuda.expert_kernel(x, gu, True)) is None:
+        pytest.skip("NVRTC did not provide the kernel on this host (see the log)")
+    before = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=int8)
     keys = [(gu, "codes"), (dn, "codes")] + ([(dn, "residual")] if fmt == "e8p3" else [])
     for proj, key in keys:
         saved = proj.tensors[key].clone()
         proj.tensors[key].view(torch.uint8).reshape(-1)[5] ^= 0x10
-        after = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True)
+        after = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=int8)
         assert not torch.equal(before, after), f"{fmt}: a flipped {key} bit left the CUDA-body output unchanged"
         proj.tensors[key].copy_(saved)
+
+
 @gpu
 def test_cuda_kernels_switched_off_keep_the_triton_body(monkeypatch):
     x, w, ids, gu, dn = _problem("e8p", 3, 128, 64, tokens=1, top_k=2, seed=6)

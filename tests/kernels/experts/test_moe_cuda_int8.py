@@ -2,8 +2,6 @@
 (int8_activations.quantize_rows_*): the table words and the rows everywhere, the kernel where CUDA runs,
 exhaustively over every code, against a float64 oracle on the int8-rounded activations."""
 
-import math
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from server.kernels.experts import int8_activations as act8
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.experts.moe_reference import fused_moe_reference
 from tests.kernels.experts.test_fused_moe import _problem
+from tests.kernels.experts.test_moe_cuda import _random_weights, down_problem
 
 
 def _operands(words: torch.Tensor) -> torch.Tensor:
@@ -131,11 +130,6 @@ def test_every_residual_code_through_the_integer_body():
     assert (got - want).abs().max() < 1e-6, "a residual code decodes wrongly in the integer body"
 
 
-def _random_weights(fmt, num_e, n, k, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return weights.quantize(torch.randn(num_e, n, k, generator=gen) / math.sqrt(k), fmt, seed=seed).to("cuda")
-
-
 # (format, experts, rows N, inputs K): odd N, one and five K steps.
 LAUNCH_CASES = [("e8p", 5, 37, 1280), ("e8p3", 3, 70, 256), ("e8p", 2, 16, 512)]
 
@@ -146,13 +140,7 @@ LAUNCH_CASES = [("e8p", 5, 37, 1280), ("e8p3", 3, 70, 256), ("e8p", 2, 16, 512)]
 def test_down_launch_matches_float64_on_the_rounded_activations(fmt, num_e, n, k, dtype):
     """The stored weights times fake_quantize(a), in float64: the products are exact integers, so only the float32
     sums over K steps and the scales round."""
-    w = _random_weights(fmt, num_e, n, k, seed=n + k)
-    gen = torch.Generator().manual_seed(1)
-    pairs = 9
-    a = torch.randn(pairs, k, generator=gen).to(dtype)
-    ids = torch.randint(0, num_e - 1, (pairs,), generator=gen)  # the last expert gets no pair
-    ids[1] = ids[0]
-    routing = torch.rand(pairs, generator=gen)
+    w, a, ids, routing = down_problem(fmt, num_e, n, k, dtype)
     got = _down(w, act8.quantize_rows_triton(a.cuda()), ids, routing).double()
     dense = w.dequantize(dtype=torch.float64).cpu()
     a8 = act8.fake_quantize(a, act8.E8_GROUP).double()
@@ -223,21 +211,3 @@ def test_fused_op_on_int8_activations_matches_its_float64_definition(fmt, tokens
     want = _int8_op64(xb, w, ids, gu, dn)
     err = ((got - want).norm() / want.norm()).item()
     assert err < 5e-3, f"integer-body op differs from its float64 definition (relative error {err:.1e})"
-
-
-@gpu
-@pytest.mark.parametrize("fmt", ["e8p", "e8p3"])
-def test_integer_body_reads_every_code_it_is_given(fmt):
-    """Flipping one bit of one code of expert 0's gate_up, then down (then the residual for e8p3), changes y."""
-    x, w, ids, gu, dn = _problem(fmt, 2, 256, 256, tokens=2, top_k=1, seed=4)
-    x, w, ids, gu, dn = x.to(torch.bfloat16).cuda(), w.cuda(), ids.cuda(), gu.to("cuda"), dn.to("cuda")
-    ids[:] = 0
-    _int8_kernel_or_skip(gu, dual=True)
-    before = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=True)
-    keys = [(gu, "codes"), (dn, "codes")] + ([(dn, "residual")] if fmt == "e8p3" else [])
-    for proj, key in keys:
-        saved = proj.tensors[key].clone()
-        proj.tensors[key].view(torch.uint8).reshape(-1)[5] ^= 0x10
-        after = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=True)
-        assert not torch.equal(before, after), f"{fmt}: a flipped {key} bit left the integer-body output unchanged"
-        proj.tensors[key].copy_(saved)
