@@ -1,5 +1,5 @@
 """The hot Triton kernels compile for sm_90 in the configurations the engine launches (no GPU needed): the turbo
-decode and store, the rotation, the quantized experts' decode bodies; and the turbo decode's builds leave room in
+decode and store, the rotation, the quantized experts' decode bodies and the E8 int8 activation rows; and the turbo decode's builds leave room in
 shared memory for the programs an SM its register cap plans for.
 
 The CPU interpreter runs code the GPU compiler rejects (7a08627, reverted: a name rebound with another type in one
@@ -45,6 +45,12 @@ for fmt in ("e8p", "e8p3", "q2_0"):
 sass_experts.count_dp4a("q2_0", True)
 sass_experts.count_dp4a("q1_0", False)
 sass_experts.count_mma(True, True)
+from server.kernels.experts import int8_activations
+rows_sig = {"a_ptr": "*bf16", "out_ptr": "*i32", "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32",
+            "K": "i32", "G": "i32", "stride_a": "i32", "stride_o": "i32"}
+for rot in (0, 128, 256):  # the E8 integer body's activation rows, without and with the weights' rotation
+    sass.compile_sm90(int8_activations._quantize_rows_kernel, rows_sig,
+                      {"ROTATION": rot, "LOG2_ROTATION": max(rot, 1).bit_length() - 1, "USE_PDL": True}, 4)
 print("all built")
 """
 

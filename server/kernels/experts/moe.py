@@ -17,6 +17,7 @@ from triton.runtime.errors import OutOfResources
 from server.kernels import pdl
 from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p, moe_cuda
+from server.kernels.experts.int8_activations import E8_GROUP as E8_INT8_GROUP
 from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
 from server.kernels.experts.int8_activations import int8_group, quantize_rows_triton
 from server.kernels.experts.int8_activations import quantize_triton as quantize_int8
@@ -243,6 +244,8 @@ def _e8_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: 
     """One e8p/e8p3 projection in the GEMV regime on unrotated activations ``a``: the integer body on a's int8 rows
     where it takes w (``int8_kernel``, from moe_cuda.int8_kernel), else the float body on the rotated a."""
     if int8_kernel is None:
+        _say_once(f"quantized experts: {w.format} weights of {w.shape[2]} inputs stay on float activations (the integer "
+                  f"body takes whole groups of {E8_INT8_GROUP} inputs and 16-byte aligned rows)")
         launch_expert_decode(w.rotate_input(a).contiguous(), out, expert_ids, w, dual=dual, routing=routing,
                              a_row_div=a_row_div)
     else:

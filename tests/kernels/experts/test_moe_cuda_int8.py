@@ -78,6 +78,21 @@ def test_int8_rounding_applies_to_each_projection_an_integer_body_takes(monkeypa
     assert not torch.equal(ref, fused_moe_reference(x, w, ids, gu, dn))
 
 
+def test_a_projection_the_integer_body_cannot_take_stays_on_float_activations(monkeypatch, caplog):
+    """D = 576: gate_up takes the float body on the rotated x, down the integer body on h's int8 rows (the kernels
+    stubbed: the dispatch is what is checked), and the log says which weights stay on float activations."""
+    x, w, ids, gu, dn = _problem("e8p", 2, 576, 256, tokens=1, top_k=2, seed=2)
+    calls = []
+    monkeypatch.setattr(moe_cuda, "int8_kernel", lambda w, dual, dtype: None if dual else "integer kernel")
+    monkeypatch.setattr(moe, "launch_expert_decode",
+                        lambda a, out, *args, **kw: calls.append(("float", a.shape[1])) or out.zero_())
+    monkeypatch.setattr(moe_cuda, "launch_expert_cuda_int8",
+                        lambda kernel, act, out, *args, **kw: calls.append((kernel, act.shape[1])) or out.zero_())
+    moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=True)
+    assert calls == [("float", 576), ("integer kernel", act8.row_words(256))]
+    assert "e8p weights of 576 inputs stay on float activations" in caplog.text
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------------
 gpu = pytest.mark.gpu
 
