@@ -1,7 +1,9 @@
-"""8-bit activations for the integer-dot decode body of q1_0/q2_0 experts (moe_dp4a.py): definition and kernel.
+"""8-bit activations for the integer decode bodies of quantized experts: definitions and kernels. q1_0/q2_0
+(moe_dp4a.py) take groups of 32 in the plane layout below; e8p/e8p3 (moe_cuda.py's integer body) groups of
+E8_GROUP = 256 in input order (the section at the end of this file).
 
-An activation row (the rotated x for gate_up, the rotated h for down) is cut into groups of GROUP = 32
-consecutive values along K; a group gets one float32 scale s = max|a| · fp32(1/127) and int8 q = round(a / s) (half
+An activation row (the rotated x for gate_up, the rotated h for down) is cut into groups of GROUP = 32 (E8:
+E8_GROUP) consecutive values along K; a group gets one float32 scale s = max|a| · fp32(1/127) and int8 q = round(a / s) (half
 to even; q = 0 for an all-zero group), so a ≈ s·q with |a - s·q| <= s / 2 ≈ max|a| / 254. s is a product, not a
 quotient, because torch on CUDA divides by a Python scalar as a multiply by its reciprocal: only a product is
 rounded the same by torch on CPU and GPU and by the kernel (H200 check, 07:11 UTC: max|a| / 127 differed). This is llama.cpp's
@@ -231,7 +233,8 @@ def quantize_rows_triton(a: torch.Tensor, group: int = 0, signs=None) -> torch.T
     """As quantize_rows_reference (with the same rotation, if any; the padding words are left unwritten), one Triton
     launch of a program per group (a [T, K] rows, any float dtype)."""
     if a.shape[-1] % E8_GROUP:
-        raise ValueError(f"E8 int8 activations come in groups of {E8_GROUP}; a row of {a.shape[-1]} values is not a multiple")
+        raise ValueError(f"E8 int8 activations come in groups of {E8_GROUP}; "
+                         f"a row of {a.shape[-1]} values is not a multiple")
     a = a.contiguous()
     t, k = a.shape
     out = torch.empty((t, row_words(k)), dtype=torch.int32, device=a.device)

@@ -143,7 +143,8 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
     if gemv and int8_activations and gate_up.format in moe_cuda.E8_FORMATS:
         kernels = moe_cuda.int8_kernel(gate_up, True, x.dtype), moe_cuda.int8_kernel(down, False, x.dtype)
         if kernels != (None, None):
-            _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through integer MMAs (moe_cuda.py)")
+            _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through integer MMAs "
+                      "(moe_cuda.py)")
             # As the dp4a branch: rotate+quantize x, gate_up, rotate+quantize h, down, the top-k sum.
             expert_ids = topk_ids.reshape(-1).to(torch.int32)
             _e8_decode(x, h, expert_ids, gate_up, kernels[0], dual=True, a_row_div=top_k)
@@ -244,8 +245,8 @@ def _e8_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: 
     """One e8p/e8p3 projection in the GEMV regime on unrotated activations ``a``: the integer body on a's int8 rows
     where it takes w (``int8_kernel``, from moe_cuda.int8_kernel), else the float body on the rotated a."""
     if int8_kernel is None:
-        _say_once(f"quantized experts: {w.format} weights of {w.shape[2]} inputs stay on float activations (the integer "
-                  f"body takes whole groups of {E8_INT8_GROUP} inputs and 16-byte aligned rows)")
+        _say_once(f"quantized experts: {w.format} weights of {w.shape[2]} inputs stay on float activations "
+                  f"(the integer body takes whole groups of {E8_INT8_GROUP} inputs and 16-byte aligned rows)")
         launch_expert_decode(w.rotate_input(a).contiguous(), out, expert_ids, w, dual=dual, routing=routing,
                              a_row_div=a_row_div)
     else:

@@ -10,7 +10,7 @@ Same op contract as `moe._expert_gemv`: one CTA per (pair, block of output rows)
 from the flattened topk ids on the device (no host sync, CUDA-graph capturable); gate_up reads gate row n and
 up row I + n in one pass and writes silu(gate)·up per pair (``dual``); down multiplies by the pair's routing
 weight and writes float32 rows that the caller sums over the top-k slots. The pair's activation row is column 0
-of the MMA's B operand (the other 7 columns are zero): the MMA is nearly free, the decode is the cost.
+of the MMA's B operand (the other 7 columns are zero): the decode, not the MMA, is the cost.
 
 Layout per warp (lane = 4g + t): a lane owns rows g and g + 8 of each 16-row tile and, per K step of 256
 inputs, the 8 consecutive codes (one 16-byte load per row) at code index 32s + 8t + i, i = 0..7. Code i of a
@@ -46,10 +46,11 @@ are exact and become Σ a·w = s·(Σq·n / 2 - 3.75·Σq) once a step.
 Measured (H200, D=6144 I=2048 E64 top-8, docs/BENCHMARKS.md 19:40 UTC block): the whole op at one token e8p
 64.3 us (28 % of copy; the float body's op 83.8 us at 08:50), 8 tokens 345.9 us (41 %; 399.8); e8p3 88.4 us and
 519.4 us (120.7, 684.1). ncu showed the float body bound by the integer pipe (73 % busy, 3.1 shared-memory
-wavefronts a table load from bank conflicts); the integer body issues 459 instructions a K step (its first
-form 558, at the same speed) with the ALU 41 % busy, and what binds it now is the conflicted table loads and the latency of the code stream (stalls MIO
-throttle, short and long scoreboard). Tried and slower, in that block: lane-private conflict-free tables (64 KiB
-a CTA: they take the L1's capacity), 16 table copies, the activation row staged in shared memory.
+wavefronts a table load from bank conflicts); the integer body issues 459 instructions a K step (its first form
+558, at the same speed) with the ALU 41 % busy, and what binds it now is the conflicted table loads and the
+latency of the code stream (stalls MIO throttle, short and long scoreboard). Tried and slower, in that block:
+lane-private conflict-free tables (64 KiB a CTA: they take the L1's capacity), 16 table copies, the activation
+row staged in shared memory, codes two K steps ahead.
 """
 
 from __future__ import annotations
