@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from bench.harness import Row, time_ms
 from server.kernels import rotation
-from server.kernels.experts import int8_activations, moe, moe_cuda
+from server.kernels.experts import int8_activations, moe, moe_cuda, moe_cuda_int8
 from server.kernels.experts.moe_dp4a import sum_top_k_slots
 from server.kernels.experts.moe_reference import fused_moe_reference
 from server.kernels.experts.routing import (
@@ -212,7 +212,8 @@ def _decode_body(gu: ExpertWeights, dn: ExpertWeights, num_pairs: int) -> str:
     if moe.int8_decode:
         if fmt in ("q1_0", "q2_0"):
             return "dp4a"
-        if None not in (moe_cuda.int8_kernel(gu, True, torch.bfloat16), moe_cuda.int8_kernel(dn, False, torch.bfloat16)):
+        if None not in (moe_cuda_int8.expert_kernel(gu, True, torch.bfloat16),
+                         moe_cuda_int8.expert_kernel(dn, False, torch.bfloat16)):
             return "cuda_int8"  # both projections on the integer body, as at the deep shapes
     if fmt in moe.CUDA_DECODE_FORMATS and _cuda_body_available(fmt):
         return "cuda"
@@ -256,12 +257,12 @@ def _prepared_kernels(s, gu: ExpertWeights, dn: ExpertWeights, body: str):
                                    dn, routing=weights)
     elif body == "cuda_int8":  # as moe.fused_moe_triton's integer E8 branch
         expert_ids = ids.reshape(-1).to(torch.int32)
-        kernels = moe_cuda.int8_kernel(gu, True, x.dtype), moe_cuda.int8_kernel(dn, False, x.dtype)
+        kernels = moe_cuda_int8.expert_kernel(gu, True, x.dtype), moe_cuda_int8.expert_kernel(dn, False, x.dtype)
 
         def run():
-            moe_cuda.launch_expert_cuda_int8(kernels[0], int8_activations.quantize_rows_triton(x, gu.group, gu.signs),
+            moe_cuda_int8.launch_expert_cuda(kernels[0], int8_activations.quantize_rows_triton(x, gu.group, gu.signs),
                                              h, expert_ids, gu, dual=True, a_row_div=top_k)
-            moe_cuda.launch_expert_cuda_int8(kernels[1], int8_activations.quantize_rows_triton(h, dn.group, dn.signs),
+            moe_cuda_int8.launch_expert_cuda(kernels[1], int8_activations.quantize_rows_triton(h, dn.group, dn.signs),
                                              y, expert_ids, dn, routing=routing)
     elif body == "dp4a_two_step":  # the chain before 6fa2189: x rotated beforehand (not timed), h not rotated
         expert_ids = ids.reshape(-1).to(torch.int32).contiguous()

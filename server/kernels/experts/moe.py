@@ -16,7 +16,7 @@ from triton.runtime.errors import OutOfResources
 
 from server.kernels import pdl
 from server.kernels.backend import inline_ptx, use_triton
-from server.kernels.experts import e8p, moe_cuda
+from server.kernels.experts import e8p, moe_cuda, moe_cuda_int8
 from server.kernels.experts.int8_activations import E8_GROUP as E8_INT8_GROUP
 from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
 from server.kernels.experts.int8_activations import int8_group, quantize_rows_triton
@@ -141,7 +141,7 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
         return sum_top_k_slots(y_pairs, top_k, x.dtype)
     routing = topk_weights.reshape(-1).float().contiguous()
     if gemv and int8_activations and gate_up.format in moe_cuda.E8_FORMATS:
-        kernels = moe_cuda.int8_kernel(gate_up, True, x.dtype), moe_cuda.int8_kernel(down, False, x.dtype)
+        kernels = moe_cuda_int8.expert_kernel(gate_up, True, x.dtype), moe_cuda_int8.expert_kernel(down, False, x.dtype)
         if kernels != (None, None):
             _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through integer MMAs "
                       "(moe_cuda.py)")
@@ -243,14 +243,14 @@ def launch_expert_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.T
 def _e8_decode(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights, int8_kernel,
                dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
     """One e8p/e8p3 projection in the GEMV regime on unrotated activations ``a``: the integer body on a's int8 rows
-    where it takes w (``int8_kernel``, from moe_cuda.int8_kernel), else the float body on the rotated a."""
+    where it takes w (``int8_kernel``, from moe_cuda_int8.expert_kernel), else the float body on the rotated a."""
     if int8_kernel is None:
         _say_once(f"quantized experts: {w.format} weights of {w.shape[2]} inputs stay on float activations "
                   f"(the integer body takes whole groups of {E8_INT8_GROUP} inputs and 16-byte aligned rows)")
         launch_expert_decode(w.rotate_input(a).contiguous(), out, expert_ids, w, dual=dual, routing=routing,
                              a_row_div=a_row_div)
     else:
-        moe_cuda.launch_expert_cuda_int8(int8_kernel, quantize_rows_triton(a, w.group, w.signs), out, expert_ids, w,
+        moe_cuda_int8.launch_expert_cuda(int8_kernel, quantize_rows_triton(a, w.group, w.signs), out, expert_ids, w,
                                          dual=dual, routing=routing, a_row_div=a_row_div)
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from server.kernels.experts import e8p, moe, moe_cuda, weights
+from server.kernels.experts import e8p, moe, moe_cuda, moe_cuda_int8, weights
 from server.kernels.experts.weights import ExpertWeights
 from tests.kernels.experts.test_fused_moe import _problem, oracle
 
@@ -188,7 +188,7 @@ def test_cuda_bodies_read_every_code_they_are_given(fmt, int8):
     x, w, ids, gu, dn = _problem(fmt, 2, 256, 256, tokens=2, top_k=1, seed=4)
     x, w, ids, gu, dn = x.half().cuda(), w.cuda(), ids.cuda(), gu.to("cuda"), dn.to("cuda")
     ids[:] = 0
-    if (moe_cuda.int8_kernel(gu, True, x.dtype) if int8 else moe_cuda.expert_kernel(x, gu, True)) is None:
+    if (moe_cuda_int8.expert_kernel(gu, True, x.dtype) if int8 else moe_cuda.expert_kernel(x, gu, True)) is None:
         pytest.skip("NVRTC did not provide the kernel on this host (see the log)")
     before = moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=int8)
     keys = [(gu, "codes"), (dn, "codes")] + ([(dn, "residual")] if fmt == "e8p3" else [])

@@ -1,11 +1,11 @@
-"""The integer-MMA decode body of e8p / e8p3 experts (moe_cuda.py, expert_decode_int8) and its activation rows
+"""The integer-MMA decode body of e8p / e8p3 experts (moe_cuda_int8.py) and its activation rows
 (int8_activations.quantize_rows_*): the table words and the rows everywhere, the kernel where CUDA runs,
 exhaustively over every code, against a float64 oracle on the int8-rounded activations."""
 
 import pytest
 import torch
 
-from server.kernels.experts import e8p, moe, moe_cuda, moe_reference, weights
+from server.kernels.experts import e8p, moe, moe_cuda_int8, moe_reference, weights
 from server.kernels.experts import int8_activations as act8
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.experts.moe_reference import fused_moe_reference
@@ -24,7 +24,7 @@ def _operands(words: torch.Tensor) -> torch.Tensor:
 def test_int8_tables_give_every_code_and_residual_code_as_the_spec_defines():
     """ABS[a] ^ SIGN[s] split into the two MMA operands gives (2n - 15)/4 = the spec's point for all 65,536 codes;
     RES gives (m - 4)/2 = the residual point (times 2.04) for all 256 residual codes."""
-    table = moe_cuda.kernel_tables_int8_cpu().long() & 0xFFFFFFFF
+    table = moe_cuda_int8.kernel_tables_cpu().long() & 0xFFFFFFFF
     codes = torch.arange(1 << 16)
     n = _operands(table[codes >> 8] ^ table[256 + (codes & 0xFF)])
     assert torch.equal((2 * n - 15) / 4, e8p.decode(codes).double())
@@ -83,10 +83,10 @@ def test_a_projection_the_integer_body_cannot_take_stays_on_float_activations(mo
     stubbed: the dispatch is what is checked), and the log says which weights stay on float activations."""
     x, w, ids, gu, dn = _problem("e8p", 2, 576, 256, tokens=1, top_k=2, seed=2)
     calls = []
-    monkeypatch.setattr(moe_cuda, "int8_kernel", lambda w, dual, dtype: None if dual else "integer kernel")
+    monkeypatch.setattr(moe_cuda_int8, "expert_kernel", lambda w, dual, dtype: None if dual else "integer kernel")
     monkeypatch.setattr(moe, "launch_expert_decode",
                         lambda a, out, *args, **kw: calls.append(("float", a.shape[1])) or out.zero_())
-    monkeypatch.setattr(moe_cuda, "launch_expert_cuda_int8",
+    monkeypatch.setattr(moe_cuda_int8, "launch_expert_cuda",
                         lambda kernel, act, out, *args, **kw: calls.append((kernel, act.shape[1])) or out.zero_())
     moe.fused_moe_triton(x, w, ids, gu, dn, gemv=True, int8_activations=True)
     assert calls == [("float", 576), ("integer kernel", act8.row_words(256))]
@@ -98,7 +98,7 @@ gpu = pytest.mark.gpu
 
 
 def _int8_kernel_or_skip(w, dual, dtype=torch.bfloat16):
-    kernel = moe_cuda.int8_kernel(w, dual, dtype)
+    kernel = moe_cuda_int8.expert_kernel(w, dual, dtype)
     if kernel is None:
         pytest.skip("NVRTC did not provide the integer kernel on this host (see the log)")
     return kernel
@@ -108,7 +108,7 @@ def _down(w: ExpertWeights, act: torch.Tensor, ids: torch.Tensor, routing: torch
     """One non-dual launch on activation rows ``act``, the output poisoned first so unwritten rows show."""
     kernel = _int8_kernel_or_skip(w, dual=False)
     out = torch.full((act.shape[0], w.shape[1]), float("nan"), dtype=torch.float32, device="cuda")
-    moe_cuda.launch_expert_cuda_int8(kernel, act, out, ids.to(torch.int32).cuda(), w, routing=routing.float().cuda())
+    moe_cuda_int8.launch_expert_cuda(kernel, act, out, ids.to(torch.int32).cuda(), w, routing=routing.float().cuda())
     return out.cpu()
 
 
@@ -174,7 +174,7 @@ def test_gate_up_launch_matches_float64_on_the_rounded_activations(fmt, num_e, n
     ids = torch.randint(0, num_e, (tokens * top_k,), generator=gen)
     kernel = _int8_kernel_or_skip(w, dual=True)
     h = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    moe_cuda.launch_expert_cuda_int8(kernel, act8.quantize_rows_triton(a.cuda()), h, ids.to(torch.int32).cuda(), w,
+    moe_cuda_int8.launch_expert_cuda(kernel, act8.quantize_rows_triton(a.cuda()), h, ids.to(torch.int32).cuda(), w,
                                      dual=True, a_row_div=top_k)
     dense = w.dequantize(dtype=torch.float64).cpu()
     a8 = act8.fake_quantize(a, act8.E8_GROUP).double()
@@ -215,8 +215,8 @@ def test_fused_op_on_int8_activations_matches_its_float64_definition(fmt, tokens
     a q by one step) and y's."""
     x, w, ids, gu, dn = _problem(fmt, 5, 512, 256, tokens, 3, seed=tokens + len(fmt))
     calls = []
-    launch = moe_cuda.launch_expert_cuda_int8
-    monkeypatch.setattr(moe_cuda, "launch_expert_cuda_int8", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    launch = moe_cuda_int8.launch_expert_cuda
+    monkeypatch.setattr(moe_cuda_int8, "launch_expert_cuda", lambda *a, **k: calls.append(1) or launch(*a, **k))
     xb = x.to(torch.bfloat16)
     got = moe.fused_moe_triton(xb.cuda(), w.cuda(), ids.cuda(), gu.to("cuda"), dn.to("cuda"), gemv=True,
                                int8_activations=True).double().cpu()
