@@ -106,6 +106,14 @@ __device__ __forceinline__ int weight_row(int first, int tile, int r, int n_out)
     return min(first + (DUAL ? 0 : 16 * tile) + r, n_out - 1) + (DUAL ? tile * n_out : 0);
 }
 
+// The fp16 scale of that weight row, as a float (``__restrict__`` keeps its load on the read-only path).
+template <bool DUAL>
+__device__ __forceinline__ float row_scale(const u16* __restrict__ scale, int expert, int first, int tile, int r,
+                                           int n_out, int stride_se, int stride_sn) {
+    const int row = weight_row<DUAL>(first, tile, r, n_out);
+    return half_to_float(scale[(long long)expert * stride_se + (long long)row * stride_sn]);
+}
+
 // The expert of this CTA's pair; an id outside [0, num_experts) reads expert 0 (in bounds) and writes zeros.
 __device__ __forceinline__ int pair_expert(const int* expert_ids, int num_experts, bool& valid) {
     const int expert = expert_ids[blockIdx.x];
@@ -300,8 +308,7 @@ __device__ __forceinline__ void expert_decode(
         for (int w = 0; w < warps; ++w) { s_main += red[w][tile][r]; s_res += red[w][TILES + tile][r]; }
         float v = 8.f * s_main - 11.75f * sum_x;
         if (E8P3) v += (8.f * s_res - 10.f * sum_x) * RESIDUAL_INV;
-        const int row = weight_row<DUAL>(first, tile, r, n_out);
-        val[m] = v * half_to_float(scale[(long long)expert * stride_se + (long long)row * stride_sn]);
+        val[m] = v * row_scale<DUAL>(scale, expert, first, tile, r, n_out, stride_se, stride_sn);
     }
     if (first + j < n_out) store_output<BF16, DUAL>(out, routing, val, pair, first + j, valid, stride_out);
 }

@@ -167,8 +167,7 @@ __device__ __forceinline__ void expert_decode_int8(
         const int tile = DUAL ? m : j >> 4, r = j & 15;
         float v = 0.f;
         for (int w = 0; w < warps; ++w) v += red[w][tile][r];
-        const int row = weight_row<DUAL>(first, tile, r, n_out);
-        val[m] = v * half_to_float(scale[(long long)expert * stride_se + (long long)row * stride_sn]);
+        val[m] = v * row_scale<DUAL>(scale, expert, first, tile, r, n_out, stride_se, stride_sn);
     }
     if (first + j < n_out) store_output<BF16, DUAL>(out, routing, val, pair, first + j, valid, stride_out);
 }
