@@ -412,22 +412,27 @@ def expert_kernel(a: torch.Tensor, w: ExpertWeights, dual: bool):
 warps = {True: 4, False: 4}
 
 
-def launch_expert_cuda(kernel, a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
-                       dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
-    """As moe.launch_expert_gemv, through ``kernel`` (from `expert_kernel`): out[p, :N] for every pair p of
-    expert_ids [pairs] int32 (gate·up epilogue in a's dtype when ``dual``; else × routing[p], float32 out)."""
+def launch_shape(a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights, table: torch.Tensor,
+                 dual: bool, routing: torch.Tensor | None, a_row_div: int) -> tuple[tuple, tuple, list]:
+    """(grid, block, arguments) of a launch of either body (moe_cuda_int8.py takes the same arguments; this body
+    appends the nibble mask): a CTA per (pair, row block), ``warps`` K-splitting warps, no more than K has steps."""
     num_e, rows, k = w.shape
     n = rows // 2 if dual else rows
     t = w.tensors
     codes, scale = t["codes"], t["scale"]
-    residual = t.get("residual", codes)
+    residual = t.get("residual", codes)  # e8p: never read
     grid = (expert_ids.numel(), -(-n // ROWS_PER_CTA[dual]), 1)
-    # more warps than K steps would idle
     block = (32 * max(1, min(warps[dual], MAX_WARPS, -(-k // K_STEP))), 1, 1)
-    with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_cuda", a.device):
-        kernel(grid=grid, block=block, args=[
-            a, out, expert_ids, routing if routing is not None else out, codes, residual, scale,
-            _tables(a.dtype, a.device), n, k, num_e, a_row_div, a.stride(0), out.stride(0),
-            codes.stride(0), codes.stride(1), residual.stride(0), residual.stride(1),
-            scale.stride(0), scale.stride(1), _FIELD[a.dtype][1]])
+    return grid, block, [
+        a, out, expert_ids, routing if routing is not None else out, codes, residual, scale, table, n, k, num_e,
+        a_row_div, a.stride(0), out.stride(0), codes.stride(0), codes.stride(1), residual.stride(0),
+        residual.stride(1), scale.stride(0), scale.stride(1)]
 
+
+def launch_expert_cuda(kernel, a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
+                       dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
+    """As moe.launch_expert_gemv, through ``kernel`` (from `expert_kernel`): out[p, :N] for every pair p of
+    expert_ids [pairs] int32 (gate·up epilogue in a's dtype when ``dual``; else × routing[p], float32 out)."""
+    grid, block, args = launch_shape(a, out, expert_ids, w, _tables(a.dtype, a.device), dual, routing, a_row_div)
+    with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_cuda", a.device):
+        kernel(grid=grid, block=block, args=args + [_FIELD[a.dtype][1]])

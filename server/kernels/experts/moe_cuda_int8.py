@@ -32,14 +32,11 @@ from server.kernels import nvrtc
 from server.kernels.experts.int8_activations import E8_GROUP
 from server.kernels.experts.moe_cuda import (
     E8_FORMATS,
-    K_STEP,
-    MAX_WARPS,
     PRELUDE,
-    ROWS_PER_CTA,
     int32_words,
+    launch_shape,
     rows_aligned,
     table_words,
-    warps,
     weight_loads,
 )
 from server.kernels.experts.weights import ExpertWeights
@@ -231,17 +228,7 @@ def expert_kernel(w: ExpertWeights, dual: bool, dtype: torch.dtype):
 def launch_expert_cuda(kernel, act: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, w: ExpertWeights,
                        dual: bool = False, routing: torch.Tensor | None = None, a_row_div: int = 1) -> None:
     """As moe_cuda.launch_expert_cuda through this body (``kernel`` from `expert_kernel`), on activation rows from
-    int8_activations.quantize_rows_triton (act [rows, row_words(K)] int32); moe_cuda.warps K-splitting warps."""
-    num_e, rows, k = w.shape
-    n = rows // 2 if dual else rows
-    t = w.tensors
-    codes, scale = t["codes"], t["scale"]
-    residual = t.get("residual", codes)
-    grid = (expert_ids.numel(), -(-n // ROWS_PER_CTA[dual]), 1)
-    block = (32 * max(1, min(warps[dual], MAX_WARPS, k // K_STEP)), 1, 1)
+    int8_activations.quantize_rows_triton (act [rows, row_words(K)] int32)."""
+    grid, block, args = launch_shape(act, out, expert_ids, w, _tables(act.device), dual, routing, a_row_div)
     with timed(f"experts_{w.format}_{'gate_up' if dual else 'down'}_int8", act.device):
-        kernel(grid=grid, block=block, args=[
-            act, out, expert_ids, routing if routing is not None else out, codes, residual, scale,
-            _tables(act.device), n, k, num_e, a_row_div, act.stride(0), out.stride(0),
-            codes.stride(0), codes.stride(1), residual.stride(0), residual.stride(1),
-            scale.stride(0), scale.stride(1)])
+        kernel(grid=grid, block=block, args=args)
