@@ -19,7 +19,7 @@ from server.kernels.backend import inline_ptx, use_triton
 from server.kernels.experts import e8p, moe_cuda, moe_cuda_int8
 from server.kernels.experts.int8_activations import E8_GROUP as E8_INT8_GROUP
 from server.kernels.experts.int8_activations import GROUP as INT8_GROUP
-from server.kernels.experts.int8_activations import int8_group, quantize_rows_triton
+from server.kernels.experts.int8_activations import quantize_rows_triton
 from server.kernels.experts.int8_activations import quantize_triton as quantize_int8
 from server.kernels.experts.moe_dp4a import _expert_dp4a, sum_top_k_slots
 from server.kernels.experts.moe_gemv import E8_FIELD_MASK, _expert_gemv
@@ -81,13 +81,6 @@ def int8_settings(env: str | None) -> tuple[bool, bool]:
 
 
 int8_decode, int8_reference = int8_settings(os.environ.get("TURBOSERVE_INT8_EXPERT_ACTIVATIONS"))
-
-
-def int8_activations_enabled(w: ExpertWeights, reference: bool = False) -> bool:
-    """Whether a projection with weights ``w`` multiplies int8-rounded activations: in the GPU decode bodies
-    (int8_decode) or, with ``reference``, in the reference (int8_reference); where an integer body takes its K
-    (int8_activations.int8_group)."""
-    return (int8_reference if reference else int8_decode) and int8_group(w.format, w.shape[2]) is not None
 
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
