@@ -98,6 +98,14 @@ def quantize_reference(a: torch.Tensor, fmt: str, group: int = 0, signs=None) ->
 
 
 @triton.jit
+def _rounded(a, s):
+    """int32 q = round(a / s), 0 where s = 0: the IEEE division and the round-half-even of the torch definition
+    (group_scales, whose scale s = max|a| · _INV_127 the caller forms the same way), bit for bit."""
+    v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0))
+    return ((v + _ROUND) - _ROUND).to(tl.int32)
+
+
+@triton.jit
 def _quantize_kernel(a_ptr, out_ptr, first_ptr, second_ptr, inv_sqrt, G, stride_a, stride_o, FORMAT: tl.constexpr,
                      BLOCK_G: tl.constexpr, ROTATION: tl.constexpr, LOG2_ROTATION: tl.constexpr,
                      USE_PDL: tl.constexpr):
@@ -123,10 +131,8 @@ def _quantize_kernel(a_ptr, out_ptr, first_ptr, second_ptr, inv_sqrt, G, stride_
     else:
         a = tl.load(a_ptr + row * stride_a + g[:, None] * 32 + k[None, :], mask=live[:, None], other=0.0)
         a = a.to(tl.float32)
-    # The product, IEEE division and round-half-even of the torch definition (group_scales): same q bit for bit.
     s = tl.max(tl.abs(a), 1) * _INV_127
-    v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0)[:, None])
-    q = ((v + _ROUND) - _ROUND).to(tl.int32)
+    q = _rounded(a, s[:, None])
     if FORMAT == Q2_0:
         plane = 4 * (k // 16) + k % 4
         byte = k // 4 % 4
@@ -219,9 +225,8 @@ def _quantize_rows_kernel(a_ptr, out_ptr, first_ptr, second_ptr, inv_sqrt, K, G,
     else:
         offs = grp * 256 + tl.arange(0, 64)[:, None] * 4 + tl.arange(0, 4)[None, :]
         a = tl.load(a_ptr + row * stride_a + offs).to(tl.float32)
-    s = tl.max(tl.max(tl.abs(a), 1), 0) * _INV_127  # as group_scales, bit for bit (see _quantize_kernel)
-    v = tl.math.div_rn(a, tl.where(s > 0, s, 1.0))
-    q = ((v + _ROUND) - _ROUND).to(tl.int32)
+    s = tl.max(tl.max(tl.abs(a), 1), 0) * _INV_127
+    q = _rounded(a, s)
     words = tl.sum((q & 0xFF) << (8 * tl.arange(0, 4))[None, :], 1)  # disjoint bytes: the sum is their OR
     base = out_ptr + row * stride_o
     tl.store(base + grp * 64 + tl.arange(0, 64), words)
