@@ -15,7 +15,8 @@ each of CUDA_SETTINGS at its split rule and at the split counts of the setting's
 offset; both builds of its scores (fp16 and int8 mmas, attention_cuda.INT8_KEYS) are checked, and timed as
 CUDA_SETTINGS says. ``--quick``: the batch-8 shapes only, the default Triton setting and the engine's partial
 offset (with ``--offset``). ``--cuda``: the CUDA C kernel alone (no Triton checks or timings, no merge alone).
-``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler).
+``--ncu`` launches only the first two settings at batch 8 / 64K, twice each (for a profiler); ``--ncu-cuda`` the
+CUDA C kernel there instead, twice each: fp16 keys, fp16 keys with the engine's partial offset, int8 keys.
 """
 
 from __future__ import annotations
@@ -186,6 +187,16 @@ def main() -> int:
         for i, (setting, _) in enumerate(2 * SETTINGS[:2]):
             decode_attention_triton(qs[i % len(qs)], store.k, store.v, metas[i % len(qs)], HEAD_DIM**-0.5, store.signs,
                                     store.inv_sqrt, **_launch(setting))
+        torch.cuda.synchronize()
+        return 0
+    if "--ncu-cuda" in sys.argv:
+        store, metas, qs, _ = kernels_turbo.random_decode_inputs(8, 65536, 32, "turbo3", device)
+        partial = kernels_turbo.engine_key_offset(KV_HEADS, HEAD_DIM, device, torch.Generator().manual_seed(2),
+                                                  turned_pairs=kernels_turbo.ENGINE_TURNED_PAIRS)
+        for i, (offset, int8_keys) in enumerate(2 * ((None, False), (partial, False), (None, True))):
+            attention_cuda.decode_attention_cuda(qs[i % len(qs)], store.k, store.v, metas[i % len(qs)],
+                                                 HEAD_DIM**-0.5, store.signs, store.inv_sqrt, offset,
+                                                 int8_keys=int8_keys)
         torch.cuda.synchronize()
         return 0
     quick = "--quick" in sys.argv
