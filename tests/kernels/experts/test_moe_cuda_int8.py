@@ -5,7 +5,7 @@ exhaustively over every code, against a float64 oracle on the int8-rounded activ
 import pytest
 import torch
 
-from server.kernels.experts import e8p, moe, moe_cuda_int8, moe_reference, weights
+from server.kernels.experts import e8p, moe, moe_cuda, moe_cuda_int8, moe_reference, weights
 from server.kernels.experts import int8_activations as act8
 from server.kernels.experts.weights import ExpertWeights
 from server.kernels.experts.moe_reference import fused_moe_reference
@@ -191,12 +191,16 @@ def _row_values(rows: torch.Tensor, k: int) -> torch.Tensor:
     return (q * s[..., None]).reshape(-1, k)
 
 
-def _int8_op64(x, w, ids, gu, dn) -> torch.Tensor:
+def _int8_op64(x, w, ids, gu, dn, round_x: bool = True) -> torch.Tensor:
     """The op as the integer path rounds it, in float64 from the torch definitions: x rotated, stored in x's dtype
-    and rounded to int8 (quantize_rows_reference), h stored in x's dtype, rotated, stored and rounded likewise."""
+    and rounded to int8 (quantize_rows_reference; with ``round_x`` False only rotated and stored, as the float body
+    takes it), h stored in x's dtype, rotated, stored and rounded likewise."""
     top_k, i = ids.shape[1], dn.shape[2]
     gu64, dn64 = gu.dequantize(dtype=torch.float64), dn.dequantize(dtype=torch.float64)
-    xq = _row_values(act8.quantize_rows_reference(x, gu.group, gu.signs), x.shape[1])
+    if round_x:
+        xq = _row_values(act8.quantize_rows_reference(x, gu.group, gu.signs), x.shape[1])
+    else:
+        xq = gu.rotate_input(x).double()
     flat = ids.reshape(-1)
     g = torch.einsum("pnk,pk->pn", gu64[flat], xq.repeat_interleave(top_k, 0))
     h = (torch.nn.functional.silu(g[:, :i]) * g[:, i:]).to(x.dtype)
@@ -224,3 +228,26 @@ def test_fused_op_on_int8_activations_matches_its_float64_definition(fmt, tokens
     want = _int8_op64(xb, w, ids, gu, dn)
     err = ((got - want).norm() / want.norm()).item()
     assert err < 5e-3, f"integer-body op differs from its float64 definition (relative error {err:.1e})"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["e8p", "e8p3"])
+def test_mixed_op_float_gate_up_and_integer_down_matches_its_float64_definition(fmt, monkeypatch):
+    """D = 576, the embedded model's hidden size (not whole groups of 256): gate_up on the float CUDA body with x
+    unrounded, down on the integer body on h's int8 rows (each launch counted), against _int8_op64 with x
+    unrounded: the dispatch the embedded model's e8p MLPs take, on the GPU."""
+    x, w, ids, gu, dn = _problem(fmt, 5, 576, 256, 3, 3, seed=11)
+    calls = []
+    for module in (moe_cuda, moe_cuda_int8):
+        launch = module.launch_expert_cuda
+        monkeypatch.setattr(module, "launch_expert_cuda",
+                            lambda *a, module=module, launch=launch, **k: calls.append(module) or launch(*a, **k))
+    xb = x.to(torch.bfloat16)
+    got = moe.fused_moe_triton(xb.cuda(), w.cuda(), ids.cuda(), gu.to("cuda"), dn.to("cuda"), gemv=True,
+                               int8_activations=True).double().cpu()
+    if moe_cuda_int8 not in calls:
+        pytest.skip("NVRTC did not provide the integer kernel on this host")
+    assert calls == [moe_cuda, moe_cuda_int8]
+    want = _int8_op64(xb, w, ids, gu, dn, round_x=False)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 5e-3, f"mixed-body op differs from its float64 definition (relative error {err:.1e})"
