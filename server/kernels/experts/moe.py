@@ -137,7 +137,7 @@ def fused_moe_triton(x, topk_weights, topk_ids, gate_up: ExpertWeights, down: Ex
         kernels = moe_cuda_int8.expert_kernel(gate_up, True, x.dtype), moe_cuda_int8.expert_kernel(down, False, x.dtype)
         if kernels != (None, None):
             _say_once(f"quantized experts: {gate_up.format} decode on 8-bit activations through integer MMAs "
-                      "(moe_cuda.py)")
+                      "(moe_cuda_int8.py)")
             # As the dp4a branch: rotate+quantize x, gate_up, rotate+quantize h, down, the top-k sum.
             expert_ids = topk_ids.reshape(-1).to(torch.int32)
             _e8_decode(x, h, expert_ids, gate_up, kernels[0], dual=True, a_row_div=top_k)
