@@ -50,9 +50,12 @@ run time by NVRTC, no headers, PTX for everything beyond plain C):
     (sm_90, turbo3, D = 128, partial8: 152 bytes); after it, 128 registers and no spills, a main loop of 984
     instructions per two steps against 976, and the no-window source's PTX unchanged.
 The kernel is bound by its integer pipe (PRMT, LOP3, shifts: ~270 of ~420 instructions a 16-token step at
-turbo3, D = 128), not by memory: a variant that copied whole tiles with cp.async into a shared-memory ring
-(3 tiles in flight a warp, no registers held) measured 8-10 % slower at b8/64K and b8/16K (its address work
-added ~60 instructions a step; H200, 2026-11-30) and was dropped.
+turbo3, D = 128), not by memory: ncu at b8/64K has the ALU pipe 74 % busy against DRAM 39 % (H200, 2026-11-30;
+`bench/turbo_decode_sweep.py --ncu-cuda`). Decoding V straight into token pairs (the two tokens' selectors
+interleaved by nibble instead of 16 PRMT a chunk to pair them) took 4 % of those instructions away but measured
+1-2 % slower on the engine's build (window and partial offset) and was dropped. A variant that copied whole
+tiles with cp.async into a shared-memory ring (3 tiles in flight a warp, no registers held) measured 8-10 %
+slower at b8/64K and b8/16K (its address work added ~60 instructions a step; H200, 2026-11-30) and was dropped.
 `supports` says which calls it takes (anything else stays on Triton); `source` generates the CUDA C per
 specialization (bit widths, head dim, page size, pair tiles, query dtype, launch settings).
 """
