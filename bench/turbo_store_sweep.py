@@ -35,7 +35,7 @@ from server.kernels.turbo.key_offset import KeyOffset, key_offset_at  # noqa: E4
 from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 from server.kernels.turbo.store_cuda import (  # noqa: E402
-    CUDA_STORE_LAUNCH, MAX_PAIRS, CudaStoreLaunch, store_turbo_cuda,
+    CUDA_STORE_LAUNCH, MAX_PAIRS, ONE_BODY_LAUNCH, CudaStoreLaunch, store_turbo_cuda,
 )
 
 PAGE, HEADS, TOKENS, CHECK_TOKENS = 16, 8, 32768, 3000
@@ -44,9 +44,9 @@ CHECKS = [(128, "turbo3", "turbo3", ("partial", "turned", "fixed", "none")), (12
           (64, "turbo2", "turbo4", ("turned",)), (256, "turbo4", "turbo3", ("partial", "none")),
           (128, "turbo2", "turbo3", ("fixed",))]
 CHECK_DTYPES = {torch.bfloat16: CHECKS, torch.float16: CHECKS[:1] + CHECKS[3:4]}
-# the first is the default; 08:56 UTC also measured (2, 5) and (2, 4): 9 % and 14 % slower (fewer warps per SM)
-ONE_BODY = CudaStoreLaunch(one_body=True)
-CUDA_SETTINGS = [CUDA_STORE_LAUNCH, CudaStoreLaunch(warps=1, min_blocks=12), ONE_BODY]
+# store_cuda.default_launch takes the first with turned key pairs and the last without; 08:56 UTC also measured
+# (2, 5) and (2, 4) two-body launches: 9 % and 14 % slower (fewer warps per SM)
+CUDA_SETTINGS = [CUDA_STORE_LAUNCH, CudaStoreLaunch(warps=1, min_blocks=12), ONE_BODY_LAUNCH]
 
 
 def _key_offset(kind: str, head_dim: int, device, gen) -> tuple[KeyOffset | None, bool]:
@@ -76,7 +76,7 @@ def check(device) -> list[str]:
     for dtype, cases in CHECK_DTYPES.items():
         for head_dim, k_kind, v_kind, offsets in cases:
             for offset_kind in offsets:
-                for backend, launch in (("cuda", CUDA_STORE_LAUNCH), ("cuda one body", ONE_BODY), ("triton", None)):
+                for backend, launch in (("cuda", CUDA_STORE_LAUNCH), ("cuda one body", ONE_BODY_LAUNCH), ("triton", None)):
                     name = (f"store {backend} {k_kind}/{v_kind} D={head_dim} {str(dtype).split('.')[1]} key offset "
                             f"{offset_kind}")
                     if backend != "triton" and (head_dim % 128 or offset_kind == "turned" and head_dim // 2 > MAX_PAIRS):

@@ -63,13 +63,22 @@ class CudaStoreLaunch:
     warps: int = 2
     min_blocks: int = 6
     # K and V of one kind through one copy of the code (V skips the offset at run time; with two, ptxas lays
-    # their loops out interleaved). H200, turbo3 plain (bench/turbo_store_probe.py, 09:11 UTC): 0.0776 against
-    # 0.1065 ms, checked on the GPU for every offset; but the K/V pointers become run-time values and with a
-    # partial offset the bf16 build spills 1.6 KB (offline), untimed: off until the sweep has timed it there
+    # their loops out interleaved): `default_launch` says where
     one_body: bool = False
 
 
 CUDA_STORE_LAUNCH = CudaStoreLaunch()
+# H200, turbo3 K+V, 32768 tokens x 8 heads, bf16, engine slots (docs/BENCHMARKS.md, 2026-11-30 about 21:37 UTC),
+# ms: no offset 0.104 two bodies / 0.076 one body (6 or 4 blocks); fixed offset 0.104 / 0.087 (6) / 0.081 (4);
+# partial offset 0.123 / 0.211 (6: 1.6 KB of spills) / 0.142 (4). So one body at 4 blocks where no pairs turn
+# (turbo4: 0.137 -> 0.104 with no offset, 0.139 -> 0.109 fixed).
+ONE_BODY_LAUNCH = CudaStoreLaunch(one_body=True, min_blocks=4)
+
+
+def default_launch(k_bits: int, v_bits: int, offset: int) -> CudaStoreLaunch:
+    """The launch a store call gets: ONE_BODY_LAUNCH where K and V are one kind and no key pairs turn (``offset``
+    OFFSET_NONE or OFFSET_FIXED), else CUDA_STORE_LAUNCH (measurements above)."""
+    return ONE_BODY_LAUNCH if k_bits == v_bits and offset != OFFSET_PAIRS else CUDA_STORE_LAUNCH
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -446,14 +455,15 @@ def fills_a_wave(num_tokens: int, heads: int, head_dim: int, device: torch.devic
 
 def store_turbo_cuda(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                      k_pages, v_pages, key_offset: KeyOffset | None = None, key_offset_turns: bool = True,
-                     launch: CudaStoreLaunch = CUDA_STORE_LAUNCH) -> bool:
+                     launch: CudaStoreLaunch | None = None) -> bool:
     """quantize.store_turbo_triton's contract (``k_pages`` / ``v_pages``: quantize.TurboPages) on the CUDA C
     kernel; False where it cannot run (the caller takes the Triton kernel): ``supports`` says no, or NVRTC is
-    missing or refuses the source."""
+    missing or refuses the source. ``launch``: None is `default_launch`'s."""
     if not supports(k, v, slot_mapping, positions, key_offset, key_offset_turns):
         return False
     num_tokens, heads, head_dim = k.shape
     offset = OFFSET_NONE if key_offset is None else (OFFSET_PAIRS if key_offset_turns else OFFSET_FIXED)
+    launch = launch or default_launch(k_pages.bits, v_pages.bits, offset)
     page_size = k_pages.codes.shape[2]
     kernel = nvrtc.cuda_kernel(source(k_pages.bits, v_pages.bits, head_dim, heads, page_size, offset,
                                       k.dtype == torch.bfloat16, launch), KERNEL_NAME, k.device)

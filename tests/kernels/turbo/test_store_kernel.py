@@ -199,11 +199,14 @@ def _cuda_case(head_dim, k_kind, v_kind, offset_kind, dtype, tokens, heads, gen)
     (128, "turbo3", "turbo3", "partial", torch.bfloat16), (128, "turbo3", "turbo3", "partial16", torch.bfloat16),
     (128, "turbo4", "turbo2", "fixed", torch.float16), (128, "turbo2", "turbo4", "none", torch.bfloat16),
     (256, "turbo4", "turbo3", "partial", torch.float16), (256, "turbo3", "turbo2", "none", torch.bfloat16),
+    (128, "turbo3", "turbo3", "fixed", torch.bfloat16), (128, "turbo4", "turbo4", "none", torch.float16),
+    (256, "turbo2", "turbo2", "fixed", torch.bfloat16),
 ])
 def test_the_cuda_store_matches_the_reference_quantizer(head_dim, k_kind, v_kind, offset_kind, dtype):
     """Odd token and head counts (a last warp item part full), a padding slot, a zero row, the sink's position,
     K and V as strided views: indices as the reference's (a value within an ulp or two of a midpoint may differ),
-    norms to fp16 rounding, nothing written outside the slots."""
+    norms to fp16 rounding, nothing written outside the slots. K and V of one kind with no turned pairs take the
+    one-body launch (store_cuda.default_launch), the others two bodies."""
     from server.kernels import nvrtc
 
     if not nvrtc.cuda_kernels_enabled(torch.device("cuda")):
