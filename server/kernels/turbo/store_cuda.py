@@ -25,7 +25,9 @@ at a fifth of copy bandwidth. Here (server/kernels/nvrtc.py: compiled at run tim
     list being per head; lane i loads pair i, the loop takes it by shuffle); the sink replaces const at
     position 0.
 sm_90 SASS of an item (bench/turbo_store_sass.py): 20.0 (turbo3) / 26.5 (turbo4) instructions per value
-without an offset, 21.9 / 28.4 with a fixed one, at 161-168 registers (12 warps per SM).
+without an offset, 21.9 / 28.4 with a fixed one, at 161-168 registers (12 warps per SM). Where K and V are one
+kind and no key pairs turn, they go through one copy of that code at up to 255 registers (8 warps per SM),
+about 25 % faster (`default_launch`).
 Results equal quantize_reference up to rounding order, as the Triton kernel's do: a value within an ulp
 or two of a midpoint may land on the other side, and with a key offset on a pair whose const is nonzero
 k - const - turn rounds twice where the reference rounds k - (const + turn) once (MUFU sin/cos as
