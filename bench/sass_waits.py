@@ -91,7 +91,7 @@ def loop_waits(cubin: bytes, function: str | None = None) -> list[str]:
         late = [f"{b} (load at {pending[b]})" for b in waited if b in pending]
         for b in waited:
             pending.pop(b, None)
-        if ins.opcode.startswith("LDG") and ins.write_barrier != 7:
+        if ins.opcode.startswith("LDG") and ins.opcode != "LDGDEPBAR" and ins.write_barrier != 7:
             pending[ins.write_barrier] = k
             lines.append(f"  {k:5d} sets barrier {ins.write_barrier}: {ins.text[:80]}")
         elif late:
