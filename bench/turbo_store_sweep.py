@@ -35,7 +35,7 @@ from server.kernels.turbo.key_offset import KeyOffset, key_offset_at  # noqa: E4
 from server.kernels.turbo.quantize import STORE_LAUNCH, store_turbo_triton  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 from server.kernels.turbo.store_cuda import (  # noqa: E402
-    CUDA_STORE_LAUNCH, MAX_PAIRS, ONE_BODY_LAUNCH, CudaStoreLaunch, store_turbo_cuda,
+    CUDA_STORE_LAUNCH, MAX_PAIRS, ONE_BODY_LAUNCH, CudaStoreLaunch, default_launch, offset_build, store_turbo_cuda,
 )
 
 PAGE, HEADS, TOKENS, CHECK_TOKENS = 16, 8, 32768, 3000
@@ -60,7 +60,7 @@ def _key_offset(kind: str, head_dim: int, device, gen) -> tuple[KeyOffset | None
     return turned, True
 
 
-def _store(backend: str, k, v, slots, positions, store, key_offset, turns, cuda_launch=CUDA_STORE_LAUNCH,
+def _store(backend: str, k, v, slots, positions, store, key_offset, turns, cuda_launch=None,
            triton_launch=STORE_LAUNCH) -> None:
     if backend == "cuda":
         if not store_turbo_cuda(k, v, slots, positions, store.k, store.v, key_offset, turns, cuda_launch):
@@ -105,7 +105,7 @@ def _check_case(name, backend, head_dim, k_kind, v_kind, offset_kind, dtype, dev
     k[12, 3] = 0.0
     slots = engine_slots(tokens, store.k.codes.shape[0], PAGE, device, gen)
     slots[5] = -1  # padding
-    _store(backend, k, v, slots, positions, store, key_offset, turns, launch or CUDA_STORE_LAUNCH)
+    _store(backend, k, v, slots, positions, store, key_offset, turns, launch)
     keep = slots >= 0
     failures = []
     for label, pages, kind, x in (("K", store.k, k_kind, k.float() - offsets), ("V", store.v, v_kind, v)):
@@ -152,18 +152,22 @@ def timings(device, copy_gbs: float) -> list[Row]:
                      and (backend == "cuda" or name == "partial")]
             for backend, launch, name in runs:
                 key_offset, turns = offsets[name]
+                dispatched = default_launch(store.k.bits, store.v.bits, offset_build(key_offset, turns))
+                launch = launch or (dispatched if backend == "cuda" else None)
                 case = (f"store {kind} {'CUDA C' if backend == 'cuda' else 'Triton'}, {TOKENS} tokens x {HEADS} heads, "
                         f"K+V, {pattern}, " + {"none": "plain format", "partial": f"partial key offset "
                                                f"({ENGINE_TURNED_PAIRS} pairs)", "turned": "turned key offset (64 pairs)",
                                                "fixed": "fixed key offset"}[name])
-                if launch is not None and launch != CUDA_STORE_LAUNCH:
-                    note = ", ".join(f"{f}={getattr(launch, f)}" for f in launch.__dataclass_fields__
-                                     if getattr(launch, f) != getattr(CUDA_STORE_LAUNCH, f))
+                if backend == "triton":
+                    note = f"default {STORE_LAUNCH}"
+                elif launch == dispatched:
+                    note = f"default {launch}"
                 else:
-                    note = f"default {CUDA_STORE_LAUNCH if backend == 'cuda' else STORE_LAUNCH}"
+                    note = ", ".join(f"{f}={getattr(launch, f)}" for f in launch.__dataclass_fields__
+                                     if getattr(launch, f) != getattr(dispatched, f))
                 try:
-                    ms = time_ms(lambda _: _store(backend, k, v, slots, positions, store, key_offset, turns,
-                                                  launch or CUDA_STORE_LAUNCH), device=device)
+                    ms = time_ms(lambda _: _store(backend, k, v, slots, positions, store, key_offset, turns, launch),
+                                 device=device)
                 except Exception as error:
                     print(f"{case}: FAILED {type(error).__name__}: {error}", flush=True)
                     continue

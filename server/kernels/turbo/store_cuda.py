@@ -77,6 +77,11 @@ CUDA_STORE_LAUNCH = CudaStoreLaunch()
 ONE_BODY_LAUNCH = CudaStoreLaunch(one_body=True, min_blocks=4)
 
 
+def offset_build(key_offset: KeyOffset | None, key_offset_turns: bool) -> int:
+    """The source's offset build for a call: OFFSET_NONE, OFFSET_FIXED or OFFSET_PAIRS."""
+    return OFFSET_NONE if key_offset is None else (OFFSET_PAIRS if key_offset_turns else OFFSET_FIXED)
+
+
 def default_launch(k_bits: int, v_bits: int, offset: int) -> CudaStoreLaunch:
     """The launch a store call gets: ONE_BODY_LAUNCH where K and V are one kind and no key pairs turn (``offset``
     OFFSET_NONE or OFFSET_FIXED), else CUDA_STORE_LAUNCH (measurements above)."""
@@ -464,7 +469,7 @@ def store_turbo_cuda(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tenso
     if not supports(k, v, slot_mapping, positions, key_offset, key_offset_turns):
         return False
     num_tokens, heads, head_dim = k.shape
-    offset = OFFSET_NONE if key_offset is None else (OFFSET_PAIRS if key_offset_turns else OFFSET_FIXED)
+    offset = offset_build(key_offset, key_offset_turns)
     launch = launch or default_launch(k_pages.bits, v_pages.bits, offset)
     page_size = k_pages.codes.shape[2]
     kernel = nvrtc.cuda_kernel(source(k_pages.bits, v_pages.bits, head_dim, heads, page_size, offset,
