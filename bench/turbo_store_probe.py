@@ -1,14 +1,15 @@
 """Where the CUDA C store kernel's time goes: the kernel timed beside variants of its source, on the GPU.
 
 `python bench/turbo_store_probe.py` (32768 tokens x 8 KV heads x d128, turbo3 K+V, plain format, engine slots):
-  * default: store_cuda.source as the engine builds it;
+  * two bodies: store_cuda.source with CUDA_STORE_LAUNCH, the engine's build where key pairs turn;
   * K only: the same kernel launched for K alone (half the work; K and V blocks no longer share SMs);
-  * one body: K and V through one copy of the code (CudaStoreLaunch.one_body: half the instructions to cache);
+  * one body: K and V through one copy of the code (ONE_BODY_LAUNCH: half the instructions to cache), the
+    engine's build for this plain format (store_cuda.default_launch);
   * memory only: the arithmetic between the staged row and its stores removed (staging, 16-byte stores and
     the norm store stay): the floor of the kernel's memory traffic in this access pattern;
   * compute only: no global loads (the staging copies removed; the rows in shared memory are whatever they
-    are), everything else as the default: the floor of the arithmetic and the stores.
-Variants other than the default write garbage codes; none of them is used anywhere else. Compare the times,
+    are), everything else as two bodies: the floor of the arithmetic and the stores.
+Memory only and compute only write garbage codes; none of them is used anywhere else. Compare the times,
 not the codes.
 """
 
@@ -37,16 +38,16 @@ NO_MATH = """    u32 out[WORDS + (BITS == 3 ? 4 : 0)];
 """
 
 
-def variants() -> dict[str, tuple[str, int]]:
-    """name -> (source, sides)."""
-    text = store_cuda.source(3, 3, 128, HEADS, PAGE, store_cuda.OFFSET_NONE, True)
-    one_body = store_cuda.source(3, 3, 128, HEADS, PAGE, store_cuda.OFFSET_NONE, True,
-                                 store_cuda.CudaStoreLaunch(one_body=True))
+def variants() -> dict[str, tuple[str, int, store_cuda.CudaStoreLaunch]]:
+    """name -> (source, sides, launch)."""
+    two, one = store_cuda.CUDA_STORE_LAUNCH, store_cuda.ONE_BODY_LAUNCH
+    text = store_cuda.source(3, 3, 128, HEADS, PAGE, store_cuda.OFFSET_NONE, True, two)
+    one_body = store_cuda.source(3, 3, 128, HEADS, PAGE, store_cuda.OFFSET_NONE, True, one)
     a, b = text.index(MATH_START), text.index(MATH_END)
     copy = "    if (tok + 2 * i < end) copy16(dst + 2 * i * STAGE_ROW, p);"
     assert copy in text and one_body != text
-    return {"default": (text, 2), "K only": (text, 1), "one body": (one_body, 2),
-            "memory only": (text[:a] + NO_MATH + text[b:], 2), "compute only": (text.replace(copy, ""), 2)}
+    return {"two bodies": (text, 2, two), "K only": (text, 1, two), "one body": (one_body, 2, one),
+            "memory only": (text[:a] + NO_MATH + text[b:], 2, two), "compute only": (text.replace(copy, ""), 2, two)}
 
 
 def main() -> None:
@@ -60,13 +61,13 @@ def main() -> None:
     store = TurboKVStore(num_pages, PAGE, HEADS, 128, "turbo3", "turbo3", device, torch.bfloat16)
     moved = 2 * k.numel() * 2 + TOKENS * TurboKVStore.bytes_per_token(HEADS, 128, "turbo3", "turbo3")
     print(f"device copy bandwidth {copy_gbs:.0f} GB/s; turbo3 K+V plain, {moved / 1e6:.0f} MB moved at full size")
-    for name, (src, sides) in variants().items():
+    for name, (src, sides, launch) in variants().items():
         try:
             kernel = nvrtc.cuda_kernel(src, store_cuda.KERNEL_NAME, device)
             if kernel is None:
                 raise RuntimeError("NVRTC refused the source (see the log above)")
             ms = time_ms(lambda _: store_cuda.launch_store(kernel, k, v, slots, positions, store.k, store.v, None,
-                                                           sides=sides), device=device)
+                                                           launch, sides), device=device)
             share = moved * sides / 2 / (ms * 1e-3) / 1e9 / copy_gbs
             print(f"probe {name}: {ms:.4f} ms ({share:.0%} of copy for its bytes)", flush=True)
         except Exception as error:  # one broken variant must not hide the others
