@@ -132,8 +132,9 @@ def _merge_only_ms(store, metas, qs, splits, device) -> float:
     def merge(i):
         attention._merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), metas[i].query_start_loc, metas[i].seq_lens, part_acc, part_m,
-            part_l, splits, store.signs[0], store.signs[1], store.inv_sqrt, BLOCK=attention.BLOCK_N,
-            SPLIT_TILE=attention.MERGE_SPLIT_TILE, D=HEAD_DIM, G=HEAD_DIM, LOG2_G=HEAD_DIM.bit_length() - 1)
+            part_l, splits, store.signs[0], store.signs[1], store.inv_sqrt, 1, BLOCK=attention.BLOCK_N,
+            SPLIT_TILE=attention.MERGE_SPLIT_TILE, D=HEAD_DIM, G=HEAD_DIM, LOG2_G=HEAD_DIM.bit_length() - 1,
+            RECENT=False, USE_PDL=False, num_warps=attention.MERGE_NUM_WARPS)
 
     return time_ms(merge, n_inputs=len(metas), device=device)
 
