@@ -11,7 +11,8 @@ replayed at depth + 16 tokens. Prints the runner loop's wall time per step (inpu
 head, greedy argmax, token read back) and its host pieces, the device time of one replay (back-to-back replays,
 device events), then a torch.profiler trace of STEPS replays: device time per kernel per step, and the device's
 idle time between kernels. Under PDL (server/kernels/pdl.py) a kernel launched early counts its wait in its own
-time, so the projections' rows are upper bounds; kernels launched plainly (the attention kernels) are not.
+time, so every Triton kernel's row is an upper bound (the projections, the turbo store, the attention's decode
+and merge kernels); only the CUDA C kernels, launched plainly, are not. The replay's device time is the measure.
 Prints only; docs/BENCHMARKS.md records what it said.
 """
 

@@ -51,11 +51,12 @@ ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);")
 
 def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: int = 128, gqa: int = 4,
                    max_registers: int | None = None, column_order: dict | None = None, offset: int | None = None,
-                   store: bool = False, recent: bool = False):
+                   store: bool = False, recent: bool = False, pdl: bool = True):
     """The decode kernel compiled for sm_90 (a CompiledKernel: .asm holds "ttgir" and "cubin"); ``offset``:
     with the key offset's score term (OFFSET) over that many turned rotate-half pairs per KV head; ``store``: with
     the fused write of the new token (STORE, its key offset turned when ``offset`` is given); ``recent``: with the
-    recent window's program (RECENT)."""
+    recent window's program (RECENT); ``pdl``: as a programmatic dependent launch (USE_PDL), as the engine launches it
+    on sm_90."""
     fn = attention._decode_kernel
     group = 128 if head_dim % 128 == 0 else 64
     order = attention.COLUMN_ORDER if column_order is None else column_order
@@ -65,7 +66,8 @@ def compile_decode(bits_k: int, bits_v: int, block: int, warps: int, head_dim: i
                      V_UNDO=attention._inverse(order.get((bits_v, head_dim), ())),
                      K_UNDO=attention._inverse(order.get((bits_k, head_dim), ())), OFFSET=offset is not None,
                      P=offset or 0, PP=max(8, triton.next_power_of_2(offset or 0)), STORE=store,
-                     STORE_OFFSET="none" if offset is None else "turned", RECENT=recent)
+                     STORE_OFFSET="none" if offset is None else "turned", RECENT=recent,
+                     USE_PDL=pdl)
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:

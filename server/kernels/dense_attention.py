@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels import pdl
 from server.kernels.backend import multiprocessors
+from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.timing import timed
 
 if TYPE_CHECKING:  # paged_kv imports this module lazily; a runtime import would be circular
@@ -99,8 +101,11 @@ def _decode_split_kernel(
     stride_page, stride_slot, stride_head, stride_bt,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # server/kernels/pdl.py: the next kernel may be scheduled now; q and the step's K/V are the qkv's
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,7 +154,11 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the output projection may start streaming its weights; the partials are the split kernel's
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * NUM_HEADS + head
@@ -333,12 +342,13 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
             PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
             NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(k_pages),
-            num_warps=4, num_stages=3,
+            num_warps=4, num_stages=3, **pdl.launch_options(q.device),
         )
         if num_splits > 1:
             _decode_merge_kernel[(num_seqs, q_heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1),
                 NUM_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+                **pdl.launch_options(q.device),
             )
     return out
 

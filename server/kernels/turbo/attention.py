@@ -44,10 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
+from server.kernels import pdl
 from server.kernels.backend import inline_ptx, multiprocessors, use_triton
 from server.kernels.dense_attention import paged_attention as dense_paged_attention
 from server.kernels.dense_attention import paged_prefill
 from server.kernels.paged_kv import AttentionMetadata, paged_attention_reference
+from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
@@ -334,12 +336,15 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
                    V_BITS: tl.constexpr, BLOCK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                    K_ORDER: tl.constexpr, V_ORDER: tl.constexpr, V_UNDO: tl.constexpr, OFFSET: tl.constexpr,
                    P: tl.constexpr, PP: tl.constexpr, STORE: tl.constexpr, STORE_OFFSET: tl.constexpr,
-                   RECENT: tl.constexpr, K_UNDO: tl.constexpr):
+                   RECENT: tl.constexpr, K_UNDO: tl.constexpr, USE_PDL: tl.constexpr):
     # STORE: the step's new K and V (NewTokens) are quantized here, not by a store launch before; STORE_OFFSET is
     # what their keys lose first ("none", "fixed" or "turned", quantize.store_turbo_triton's K_OFFSET).
     # RECENT: positions j >= seq_len - window come from the recent window's ring (recent.py), not the pages.
     NG: tl.constexpr = D // G
     OP: tl.constexpr = tl.float16 if F16 else tl.float32
+    if USE_PDL:  # server/kernels/pdl.py: the merge may be scheduled now; q, pages and ring are the store's output
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -449,10 +454,13 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, q_start_ptr, seq_lens_ptr, tab
 def _merge_kernel(out_ptr, out_stride_t, out_stride_h, q_start_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr,
                   part_l_ptr, num_splits, first_ptr, second_ptr, inv_sqrt, window, BLOCK: tl.constexpr,
                   SPLIT_TILE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2_G: tl.constexpr,
-                  RECENT: tl.constexpr):
+                  RECENT: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per (sequence, query head): log-sum-exp merge of its splits, SPLIT_TILE at a time. RECENT: the
     ring program's partial comes first, then the page splits' over the seq_len - window positions below it."""
     NG: tl.constexpr = D // G
+    if USE_PDL:  # the output projection may start streaming its weights; the partials are the decode's output
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -625,12 +633,13 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             F16=q.dtype != torch.float32, ASM=inline_ptx(q.device),
             num_warps=num_warps, **({} if max_registers is None else {"maxnreg": max_registers}),
             **({} if num_stages is None else {"num_stages": num_stages}),
-            **shape,
+            **shape, **pdl.launch_options(q.device),
         )
         _merge_kernel[(num_seqs, q_heads)](
             out, out.stride(0), out.stride(1), meta.query_start_loc, meta.seq_lens, part_acc, part_m, part_l,
             num_splits, signs[0], signs[1], inv_sqrt, ring[3], BLOCK=block_n, SPLIT_TILE=MERGE_SPLIT_TILE, D=head_dim,
             G=group, LOG2_G=group.bit_length() - 1, RECENT=recent is not None, num_warps=MERGE_NUM_WARPS,
+            **pdl.launch_options(q.device),
         )
     return out
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from server.kernels import pdl
 from server.kernels.backend import inline_ptx, multiprocessors
-from server.kernels.pdl import gdc_wait
+from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.rotation import fwht_rows, sign_masks
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import store_indices
@@ -251,6 +251,7 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
     # K_OFFSET: "none", "fixed" or "turned" (store_turbo_triton's key_offset and key_offset_turns); RECENT: the
     # rows also go to the recent window's rings (store_turbo_triton's recent)
     if USE_PDL:  # StoreLaunch.pdl: scheduled while the previous kernel runs; k and v are its output
+        gdc_launch_dependents()  # and the decode after it may be scheduled now
         gdc_wait()
     if tl.program_id(1) == 0:
         quantize_rows(k_ptr, k_stride_t, k_stride_h, slot_ptr, pos_ptr, k_codes, k_norms, k_mid, k_cent, k_const,
