@@ -107,9 +107,12 @@ def _check_settings(device, settings, offsets) -> list[str]:
                     f"splits={splits}{_offset_name(offset)}")
             err = float("inf") if out is None else (out.float() - reference).abs().max().item() / \
                 reference.abs().max().item()
-            print(f"{'PASS' if err < 2e-2 else 'FAIL'} decode {name}: rel err {err:.2e}"
+            # the int8-key build rounds q and the centroids by design: 2.2e-2 of the scale on D = 64, turbo4 K with
+            # the partial offset (attention_cuda's docstring; its GPU tests check it against its own definition)
+            bound = 3e-2 if int8_keys else 2e-2
+            print(f"{'PASS' if err < bound else 'FAIL'} decode {name}: rel err {err:.2e}"
                   f"{' (kernel unavailable)' if out is None else ''}", flush=True)
-            if err >= 2e-2:
+            if err >= bound:
                 failures.append(name)
     return failures
 
