@@ -10,9 +10,9 @@ checkpoint, tokenizer file, gguf or fastapi is needed. Per shape it measures:
   copy bandwidth, and which fraction of it we reach;
 - with --transformers, transformers' generate() with its compiled static cache on the same shape,
   timed the same way (compile time excluded by a warm-up run).
---context-depth adds decode at long contexts (and per --kv-cache-dtype, e.g. bf16,turbo4,turbo3, and for turbo
-dtypes per --kv-key-offset, e.g. partial,fixed,turned)
-on the shape the TurboQuant issue names.
+--context-depth adds decode at long contexts, and the prefill of those prompts (time to first token, in chunks of
+--depth-chunk tokens), per --kv-cache-dtype (e.g. bf16,turbo4,turbo3) and for turbo dtypes per --kv-key-offset
+(e.g. partial,fixed,turned), on the shape the TurboQuant issue names.
 """
 
 from __future__ import annotations
@@ -183,11 +183,17 @@ def make_engine(loaded: RandomModel, max_seqs: int, max_model_len: int, kv_cache
     return engine
 
 
-def decode_tokens_per_s(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+def decode_and_first_token(engine: Engine, batch: int, prompt_len: int, new_tokens: int,
+                           vocab: int) -> tuple[float, float]:
+    """(decode tok/s, seconds to the last request's first token) of one round of B greedy requests."""
     warm_len = min(prompt_len, 256)  # compiles kernels and touches the graph size; a long prompt adds nothing
     run_requests(engine, random_prompts(batch, warm_len, vocab, seed=1), 4)
     t = run_requests(engine, random_prompts(batch, prompt_len, vocab, seed=2), new_tokens)
-    return batch * (new_tokens - 1) / (t["end"] - t["first"])
+    return batch * (new_tokens - 1) / (t["end"] - t["first"]), t["first"] - t["start"]
+
+
+def decode_tokens_per_s(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    return decode_and_first_token(engine, batch, prompt_len, new_tokens, vocab)[0]
 
 
 def prefill_tokens_per_s(engine: Engine, length: int, vocab: int) -> float:
@@ -284,15 +290,17 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
             prompt = max(depth, 1)
             length = prompt + DEPTH_NEW_TOKENS
             try:
-                engine = make_engine(loaded, 1, max(length + 1, args.max_model_len), kv_dtype, length + 16, 8192,
-                                     args.async_scheduling, offset, window)
+                engine = make_engine(loaded, 1, max(length + 1, args.max_model_len), kv_dtype, length + 16,
+                                     args.depth_chunk, args.async_scheduling, offset, window)
             except Exception as exc:  # e.g. the turbo store is not in this checkout yet
                 lines.append(f"| {name} | decode b1 @ {depth} ({label}) | unavailable: {exc} | | | |")
                 print(lines[-1], flush=True)
                 break
+            prefill = ""
             try:
-                ours = decode_tokens_per_s(engine, 1, prompt, DEPTH_NEW_TOKENS, cfg.vocab_size)
+                ours, first = decode_and_first_token(engine, 1, prompt, DEPTH_NEW_TOKENS, cfg.vocab_size)
                 result = f"{graph_note(engine)} | {ours:,.0f} tok/s"
+                prefill = f" | {prompt / first:,.0f} tok/s (first token after {first:.2f} s)"
             except Exception as exc:  # report and go on to the next configuration
                 result = f" | failed: {exc!r}"
             finally:
@@ -301,6 +309,9 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
                 gc.collect()
             lines.append(f"| {name} | decode b1 @ {depth} ({label}){result} | - | - | |")
             print(lines[-1], flush=True)
+            if prefill and depth:
+                lines.append(f"| {name} | prefill {depth} in chunks of {args.depth_chunk} ({label}){prefill} | - | - | |")
+                print(lines[-1], flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transformers", action="store_true", help="also time transformers generate() here")
     p.add_argument("--context-depth", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                    help="e.g. 0,16384,65536: decode at these depths on the depth-2048 shape")  # fmt: skip
+    p.add_argument("--depth-chunk", type=int, default=8192,
+                   help="depth rows: the engine's max_num_batched_tokens, the prefill chunk (the engine's default is 2048)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="depth rows: the engine's max_model_len (its decode graphs plan for it; default depth + 33)")
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
@@ -362,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
            f"token; prefill: one prompt in one step. Weight-streaming limit = weight bytes per step / copy "
            f"bandwidth.\n" if shapes else "")
         + (f"- Depth rows: batch 1, one prompt of the given depth, {DEPTH_NEW_TOKENS} greedy tokens timed after the "
-           f"first.\n" if args.context_depth else "")
+           f"first; its prefill row: the prompt's tokens over the time to its first token (chunks of "
+           f"{args.depth_chunk} tokens).\n" if args.context_depth else "")
         + f"- Async scheduling {'on' if args.async_scheduling else 'off (--no-async-scheduling)'}.\n"
         + (f"- One-row skinny-matmul configurations (N, K, fused) -> (BLOCK_N, BLOCK_K, STAGES) from "
            f"{args.gemv_configs.name}: {gemv.MEASURED_M1}\n" if args.gemv_configs else "")
