@@ -1,5 +1,6 @@
 """The hot Triton kernels compile for sm_90 in the configurations the engine launches (no GPU needed): the turbo
-decode and store, the rotation, the quantized experts' decode bodies and the E8 int8 activation rows; and the turbo decode's builds leave room in
+decode and store, the rotation, the quantized experts' decode bodies and the E8 int8 activation rows, the turbo pages' dense
+decode for prefill; and the turbo decode's builds leave room in
 shared memory for the programs an SM its register cap plans for.
 
 The CPU interpreter runs code the GPU compiler rejects (7a08627, reverted: a name rebound with another type in one
@@ -51,6 +52,13 @@ rows_sig = {"a_ptr": "*bf16", "out_ptr": "*i32", "first_ptr": "*i32", "second_pt
 for rot in (0, 128, 256):  # the E8 integer body's activation rows, without and with the weights' rotation
     sass.compile_sm90(int8_activations._quantize_rows_kernel, rows_sig,
                       {"ROTATION": rot, "LOG2_ROTATION": max(rot, 1).bit_length() - 1, "USE_PDL": True}, 4)
+from server.kernels.turbo import dense_pages
+pages_sig = {"codes_ptr": "*u8", "norms_ptr": "*fp16", "poly_ptr": "*fp32", "page_ids_ptr": "*i64",
+             "page_start_ptr": "*i64", "out_ptr": "*bf16", "first_ptr": "*i32", "second_ptr": "*i32", "inv_sqrt": "fp32",
+             "const_ptr": "*fp32", "mean_ptr": "*fp32", "sink_ptr": "*fp32", "inv_freq_ptr": "*fp32", "n_rows": "i32"}
+for offset in (False, True):  # prefill's pages back to bf16: values, and keys with o(p)
+    sass.compile_sm90(dense_pages._dense_pages_kernel, pages_sig, {"H": 8, "PAGE_SIZE": 16, "ROWS": 32, "D": 128,
+                      "G": 128, "LOG2_G": 7, "BITS": 3, "OFFSET": offset, "ASM": True}, 4)
 print("all built")
 """
 

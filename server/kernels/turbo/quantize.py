@@ -129,7 +129,7 @@ def _tie_magnitude(y):
 
 
 @triton.jit
-def _offset_values(const_ptr, mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: tl.constexpr):
+def offset_values(const_ptr, mean_ptr, sink_ptr, head, d, p, cos, sin, ok, D: tl.constexpr):
     """o(p) at dims d [R, C] of rows of KV head ``head`` [R] at positions p [R, 1] (key_offset.key_offset_at):
     const plus the mean's rotate-half pairs (d, d +- D/2) turned by the angle whose cos/sin are given (the
     mean is zero on pairs that do not turn: every pair is computed, no gather); the sink at p == 0."""
@@ -205,8 +205,8 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
                 cos_hi, sin_hi = cos_lo, sin_lo
             else:
                 cos_hi, sin_hi = sincos(p * tl.load(inv_freq_ptr + d_hi % (D // 2)), ASM)
-            lo -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
-            hi -= _offset_values(const_ptr, mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
+            lo -= offset_values(const_ptr, mean_ptr, sink_ptr, head, d_lo, p, cos_lo, sin_lo, ok, D)
+            hi -= offset_values(const_ptr, mean_ptr, sink_ptr, head, d_hi, p, cos_hi, sin_hi, ok, D)
         n = tl.sqrt(tl.sum(lo * lo + hi * hi, axis=1))[:, None]
         # rotation.rotate_rows in two halves: y = n * rotate(x / n), the rotation being linear
         lo = fwht_rows((lo.to(tl.int32, bitcast=True) ^ flip_lo).to(tl.float32, bitcast=True), ROWS * NG, G2,
