@@ -53,6 +53,7 @@ from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.rotation import rotate, rotate_rows
 from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, lookup_table
+from server.kernels.turbo.dense_pages import dense_pages_triton
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 from server.kernels.turbo.quantize import TurboPages, quantize_rows, recent_arguments
@@ -667,24 +668,30 @@ def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: 
     """
     page_size = k_pages.codes.shape[2]
     n_pages = [-(-n // page_size) for n in meta.seq_lens_cpu]
+    # Each sequence's pages in table order become consecutive decoded pages of its own: no sort and no host sync
+    # (a page that two sequences listed would be decoded twice, which stays right)
     used = [meta.block_tables[s, :n] for s, n in enumerate(n_pages)]
-    used = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=q.device)
-    page_ids, compact = torch.unique(used, return_inverse=True)
+    page_ids = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=q.device)
     tables = torch.zeros_like(meta.block_tables)
     offset = 0
     for s, n in enumerate(n_pages):
-        tables[s, :n] = compact[offset : offset + n].to(tables.dtype)
+        tables[s, :n] = torch.arange(offset, offset + n, dtype=tables.dtype, device=q.device)
         offset += n
     head_dim = q.shape[-1]
     fast = use_triton(q) if fast is None else fast
     dtype = (page_dtype or q.dtype) if fast else torch.float32
-    k = decoded_pages(k_pages, k_kind, page_ids, head_dim, dtype if key_offset is None else torch.float32)
-    if key_offset is not None:  # a sequence owns its pages, so each page has one first position
-        first = torch.cat([torch.arange(n, device=q.device) * page_size for n in n_pages]) if n_pages else used
-        page_start = torch.zeros(len(page_ids), dtype=torch.long, device=q.device).scatter_(0, compact, first)
-        positions = (page_start[:, None] + torch.arange(page_size, device=q.device)).reshape(-1)
-        k = (k + key_offset_at(key_offset, positions).reshape(k.shape)).to(dtype)
-    v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
+    page_start = None
+    if key_offset is not None:  # each decoded page's first position
+        page_start = torch.cat([torch.arange(n, device=q.device) * page_size for n in n_pages]) if n_pages else page_ids
+    if fast:  # one launch each (dense_pages.py)
+        k = dense_pages_triton(k_pages, page_ids, dtype, key_offset, page_start)
+        v = dense_pages_triton(v_pages, page_ids, dtype)
+    else:
+        k = decoded_pages(k_pages, k_kind, page_ids, head_dim, dtype)
+        if key_offset is not None:
+            positions = (page_start[:, None] + torch.arange(page_size, device=q.device)).reshape(-1)
+            k = k + key_offset_at(key_offset, positions).reshape(k.shape)
+        v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
     compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
                                      meta.seq_lens_cpu, meta.query_lens_cpu)
     if recent is not None:
