@@ -16,7 +16,7 @@ import torch
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.timing import timed
 from server.runtime.cuda_graphs import maybe_capture_decode_graphs
-from server.runtime.host_copy import to_device
+from server.kernels.host_copy import to_device
 from server.runtime.kv_cache import KVCache
 from server.runtime.sampler import SamplingTensors, sample, token_logprobs
 from server.runtime.scheduler import ScheduledChunk

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from server.kernels.backend import use_triton
-from server.runtime.host_copy import to_device
+from server.kernels.host_copy import to_device
 from server.runtime.sequence import Sequence, TokenLogprob
 
 # float32 limits of the sampling math (temperature's are SamplingParams.greedy's): a top_p below the smallest

@@ -27,6 +27,7 @@ from itertools import accumulate
 
 import torch
 
+from server.kernels.host_copy import to_device
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate, rotate_reference
 from server.kernels.turbo.format import dequantize_reference, group_size
@@ -70,14 +71,17 @@ def _query_starts(meta: AttentionMetadata) -> list[int]:
 def written_tokens(meta: AttentionMetadata, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows of q, their ring slots row * W + p % W) of the tokens a step leaves in the ring: each sequence's
     last W positions of this step (earlier ones of a long chunk would be overwritten by later ones)."""
-    tokens, slots = [], []
-    for start, row, seq_len, q_len in zip(_query_starts(meta), meta.recent_rows.tolist(), meta.seq_lens_cpu,
-                                          meta.query_lens_cpu):
-        positions = torch.arange(max(seq_len - q_len, seq_len - size), seq_len)
-        tokens.append(start + positions - (seq_len - q_len))
-        slots.append(row * size + positions % size)
-    device = meta.query_start_loc.device
-    return torch.cat(tokens).to(device), torch.cat(slots).to(device)
+    tokens, positions, seqs = [], [], []
+    for s, (start, seq_len, q_len) in enumerate(zip(_query_starts(meta), meta.seq_lens_cpu, meta.query_lens_cpu)):
+        p = torch.arange(max(seq_len - q_len, seq_len - size), seq_len)
+        tokens.append(start + p - (seq_len - q_len))
+        positions.append(p)
+        seqs.append(torch.full_like(p, s))
+    n = sum(map(len, tokens))
+    # host indices in one copy that does not wait for the GPU (host_copy.py); ring rows read where they live
+    index = to_device(torch.cat(tokens + positions + seqs), meta.query_start_loc.device)
+    tokens, positions, seqs = index[:n], index[n : 2 * n], index[2 * n :]
+    return tokens, meta.recent_rows[seqs].long() * size + positions % size
 
 
 def write_recent(recent: RecentWindow, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -149,21 +153,21 @@ def exact_pages(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, meta: At
     zero: the dense prefill (dense_attention.paged_prefill ``exact``) reads them only where its mask drops them,
     so they need only be finite."""
     page_size, size, device = k.shape[1], recent.size, k.device
-    starts, rows_of_seq = _query_starts(meta), meta.recent_rows.tolist()
-    ring_pos, ring_seqs, ring_slots, step_pos, step_seqs, step_tokens = [], [], [], [], [], []
-    for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+    ring_pos, ring_seqs, step_pos, step_seqs, step_tokens = [], [], [], [], []
+    for s, (start, seq_len, q_len) in enumerate(zip(_query_starts(meta), meta.seq_lens_cpu, meta.query_lens_cpu)):
         first = seq_len - q_len
         before = torch.arange(max(0, first - size + 1) if q_len else first, first)
         ring_pos.append(before)
         ring_seqs.append(torch.full_like(before, s))
-        ring_slots.append(rows_of_seq[s] * size + before % size)
         step_pos.append(torch.arange(first, seq_len))
         step_seqs.append(torch.full((q_len,), s))
-        step_tokens.append(torch.arange(starts[s], starts[s] + q_len))
-    positions = torch.cat(ring_pos + step_pos).to(device)
-    seqs = torch.cat(ring_seqs + step_seqs).to(device)
+        step_tokens.append(torch.arange(start, start + q_len))
+    n_ring, n = sum(map(len, ring_pos)), sum(map(len, ring_pos + step_pos))
+    # host indices in one copy that does not wait for the GPU (host_copy.py); ring rows read where they live
+    index = to_device(torch.cat(ring_pos + step_pos + ring_seqs + step_seqs + step_tokens), device)
+    positions, seqs, step_tokens = index[:n], index[n : 2 * n], index[2 * n :]
     slots = tables[seqs, positions // page_size].long() * page_size + positions % page_size
-    ring_slots, step_tokens = torch.cat(ring_slots).to(device), torch.cat(step_tokens).to(device)
+    ring_slots = meta.recent_rows[seqs[:n_ring]].long() * size + positions[:n_ring] % size
     group = group_size(k.shape[-1])
     out = []
     for pages, ring, rows in ((k, recent.k, step_k_rows), (v, recent.v, step_v_rows)):
