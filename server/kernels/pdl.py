@@ -41,7 +41,9 @@ except ImportError:  # kernels still import these names; USE_PDL stays False, so
 def _supported(device_index: int) -> bool:
     if not _AVAILABLE or os.environ.get("TURBOSERVE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    # NVIDIA only: a ROCm build's 'cuda' devices are AMD GPUs, whose capability reads 9.x too (MI200, MI300), and
+    # gdc_wait is NVIDIA inline assembly
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def launch_options(device: torch.device) -> dict:
