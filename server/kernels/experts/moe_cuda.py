@@ -133,6 +133,21 @@ __device__ __forceinline__ void lane_rows(const u16* codes, const u8* residual, 
         }
 }
 
+// A body's CTA setup, shared as text (a struct returning these perturbed ptxas's schedule of the main loop): the
+// warp (of warps) and the lane's MMA coordinates g, t (lane = 4g + t), the CTA's (token, expert) pair (valid: the
+// expert id is in range), its first output row, and the lane's code and residual rows (lane_rows). It reads the
+// body's own parameters (expert_ids, num_experts, codes, residual, n_out, strides) and TILES.
+#define CTA_PLACE()                                                                                              \
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;                        \
+    const int g = lane >> 2, t = lane & 3;                                                                        \
+    bool valid;                                                                                                   \
+    const int pair = blockIdx.x, expert = pair_expert(expert_ids, num_experts, valid);                            \
+    const int first = blockIdx.y * (DUAL ? 16 : 32);                                                              \
+    const u16* crow[TILES][2];                                                                                    \
+    const u8* rrow[TILES][2];                                                                                     \
+    lane_rows<E8P3, DUAL>(codes, residual, expert, first, g, n_out, stride_ce, stride_cn, stride_re, stride_rn, crow, \
+                          rrow)
+
 // The codes of K step s: a lane's 8 codes of each of its rows, one 16-byte load each (8 bytes of residuals). Steps
 // past K, and chunks past K in a partial last step, read nothing (code 0, against zero activations).
 template <bool E8P3>
@@ -145,6 +160,14 @@ __device__ __forceinline__ void load_step(const u16* const crow[2][2], const u8*
             dst[m][h] = live ? ld_u32x4(crow[m][h] + c0) : u32x4{0u, 0u, 0u, 0u};
             if (E8P3) rdst[m][h] = live ? ld_u32x2(rrow[m][h] + c0) : u32x2{0u, 0u};
         }
+}
+
+// The step loaded ahead becomes the current one.
+template <bool E8P3>
+__device__ __forceinline__ void advance(u32x4 cur[2][2], const u32x4 nxt[2][2], u32x2 rcur[2][2],
+                                        const u32x2 rnxt[2][2]) {
+    for (int m = 0; m < 2; ++m)
+        for (int h = 0; h < 2; ++h) { cur[m][h] = nxt[m][h]; if (E8P3) rcur[m][h] = rnxt[m][h]; }
 }
 
 // Output row ``row`` of pair ``pair`` from its gate and up values (DUAL: silu(gate)·up in the activations' dtype)
@@ -224,15 +247,7 @@ __device__ __forceinline__ void expert_decode(
     for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
         (i < 256 ? abs_tab : i < 512 ? sign_tab : res_tab)[i & 255] = table[i];
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    bool valid;
-    const int pair = blockIdx.x, expert = pair_expert(expert_ids, num_experts, valid);
-
-    const int first = blockIdx.y * (DUAL ? 16 : 32);
-    const u16* crow[TILES][2];
-    const u8* rrow[TILES][2];
-    lane_rows<E8P3, DUAL>(codes, residual, expert, first, g, n_out, stride_ce, stride_cn, stride_re, stride_rn, crow, rrow);
+    CTA_PLACE();
     const u16* arow = act + (long long)(pair / a_row_div) * stride_a;
     const int k8 = k >> 3, steps = (k8 + 31) >> 5;
 
@@ -282,8 +297,7 @@ __device__ __forceinline__ void expert_decode(
                 }
             }
         }
-        for (int m = 0; m < TILES; ++m)
-            for (int h = 0; h < 2; ++h) { cur[m][h] = nxt[m][h]; if (E8P3) rcur[m][h] = rnxt[m][h]; }
+        advance<E8P3>(cur, nxt, rcur, rnxt);
     }
 
     // Column 0 of C (the pair) lives in the lanes t == 0: c0 is row g, c2 row g + 8.

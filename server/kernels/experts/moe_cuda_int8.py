@@ -85,15 +85,7 @@ __device__ __forceinline__ void expert_decode_int8(
     // The word at byte offset OFF of table T (0 ABS, 1 SIGN, 2 RES).
     #define TAB(T, OFF) (*(const u32*)((const char*)tab + 1024 * (T) + (OFF)))
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    bool valid;
-    const int pair = blockIdx.x, expert = pair_expert(expert_ids, num_experts, valid);
-
-    const int first = blockIdx.y * (DUAL ? 16 : 32);
-    const u16* crow[TILES][2];
-    const u8* rrow[TILES][2];
-    lane_rows<E8P3, DUAL>(codes, residual, expert, first, g, n_out, stride_ce, stride_cn, stride_re, stride_rn, crow, rrow);
+    CTA_PLACE();
     const u32* arow = act + (long long)(pair / a_row_div) * stride_a;
     const int steps = k >> 8;  // K is whole groups
     const float* group_scale = (const float*)(arow + (k >> 2));
@@ -149,8 +141,7 @@ __device__ __forceinline__ void expert_decode_int8(
                 acc[m][h] += v * group_s;
             }
         }
-        for (int m = 0; m < TILES; ++m)
-            for (int h = 0; h < 2; ++h) { cur[m][h] = nxt[m][h]; if (E8P3) rcur[m][h] = rnxt[m][h]; }
+        advance<E8P3>(cur, nxt, rcur, rnxt);
     }
     #undef TAB
 
