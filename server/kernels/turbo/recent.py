@@ -68,6 +68,13 @@ def _query_starts(meta: AttentionMetadata) -> list[int]:
     return list(accumulate(meta.query_lens_cpu, initial=0))[:-1]
 
 
+def _on_device(parts: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """Host index tensors on ``device``, each list of parts concatenated, in one copy that does not wait for the GPU
+    (host_copy.py): prefill runs this per layer."""
+    flat = to_device(torch.cat([t for pieces in parts for t in pieces]), device)
+    return list(flat.split([sum(map(len, pieces)) for pieces in parts]))
+
+
 def written_tokens(meta: AttentionMetadata, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows of q, their ring slots row * W + p % W) of the tokens a step leaves in the ring: each sequence's
     last W positions of this step (earlier ones of a long chunk would be overwritten by later ones)."""
@@ -77,11 +84,8 @@ def written_tokens(meta: AttentionMetadata, size: int) -> tuple[torch.Tensor, to
         tokens.append(start + p - (seq_len - q_len))
         positions.append(p)
         seqs.append(torch.full_like(p, s))
-    n = sum(map(len, tokens))
-    # host indices in one copy that does not wait for the GPU (host_copy.py); ring rows read where they live
-    index = to_device(torch.cat(tokens + positions + seqs), meta.query_start_loc.device)
-    tokens, positions, seqs = index[:n], index[n : 2 * n], index[2 * n :]
-    return tokens, meta.recent_rows[seqs].long() * size + positions % size
+    tokens, positions, seqs = _on_device([tokens, positions, seqs], meta.query_start_loc.device)
+    return tokens, meta.recent_rows[seqs].long() * size + positions % size  # ring rows read where they live
 
 
 def write_recent(recent: RecentWindow, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -162,11 +166,9 @@ def exact_pages(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, meta: At
         step_pos.append(torch.arange(first, seq_len))
         step_seqs.append(torch.full((q_len,), s))
         step_tokens.append(torch.arange(start, start + q_len))
-    n_ring, n = sum(map(len, ring_pos)), sum(map(len, ring_pos + step_pos))
-    # host indices in one copy that does not wait for the GPU (host_copy.py); ring rows read where they live
-    index = to_device(torch.cat(ring_pos + step_pos + ring_seqs + step_seqs + step_tokens), device)
-    positions, seqs, step_tokens = index[:n], index[n : 2 * n], index[2 * n :]
+    positions, seqs, step_tokens = _on_device([ring_pos + step_pos, ring_seqs + step_seqs, step_tokens], device)
     slots = tables[seqs, positions // page_size].long() * page_size + positions % page_size
+    n_ring = sum(map(len, ring_pos))
     ring_slots = meta.recent_rows[seqs[:n_ring]].long() * size + positions[:n_ring] % size
     group = group_size(k.shape[-1])
     out = []
