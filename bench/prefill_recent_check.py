@@ -1,4 +1,4 @@
-"""GPU check and timing of paged_prefill's recent window: `python bench/prefill_recent_check.py`.
+"""GPU check and timing of paged_prefill's recent window: `python bench/prefill_recent_check.py [--sweep]`.
 
 CI runs the window in Triton's interpreter at toy sizes; here it meets bf16 and real shapes (32 query /
 8 KV heads, d128, 16-token pages, a 2048-token chunk after a 16K and a 64K prefix, W = 128):
@@ -7,14 +7,15 @@ CI runs the window in Triton's interpreter at toy sizes; here it meets bf16 and 
    queries also carry, so the window holds a large share of the softmax mass: a key read from the wrong page
    array moves the output by far more than bf16 rounding (the "window effect" column says by how much).
    Exact rows no query reads exactly hold 1000.0, which must not show;
-2. median time of paged_prefill without a window and with W = 128, and with W = 128 launched without the
-   register cap paged_prefill puts on the windowed d128 kernel (maxnreg=128: two programs per SM, as the
-   plain kernel's 128 registers allow).
+2. median time of paged_prefill without a window and with W = 128 (2048-token chunks after 4K, 16K, 64K) in each
+   launch setting of dense_attention._prefill_launches (the fastest first, then the fallback for GPUs it does not
+   fit); with --sweep in 44 settings (tiles, warps, stages, register cap) instead.
 Exits non-zero when a correctness check fails.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import traceback
 from pathlib import Path
@@ -110,17 +111,14 @@ def check_case(name, seq_lens, query_lens, device):
             failures.append(f"{name} {label}")
 
 
-class _WithOptions:
-    """A kernel whose launches override compile options (here maxnreg), for a timing trial."""
-
-    def __init__(self, kernel, **options):
-        self.kernel, self.options = kernel, options
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, **{**kwargs, **self.options})
+def sweep_settings() -> list[dict]:
+    """The launch settings --sweep times: tiles, warps, stages, with and without the 128-register cap."""
+    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, **({"maxnreg": 128} if cap else {}))
+            for m, n, w, s, cap in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), (False, True))
+            if not (m == n == 128 and w == 4)]
 
 
-def time_case(prefix, chunk, device):
+def time_case(prefix, chunk, settings, device):
     seq_len = prefix + chunk
     q, k_far, v_far, k_near, v_near, tables, lens, starts = make_inputs([seq_len], [chunk], device)
     flops = 4 * DIM * Q_HEADS * (chunk * prefix + chunk * (chunk + 1) // 2)
@@ -129,19 +127,18 @@ def time_case(prefix, chunk, device):
         return lambda i: paged_prefill(q, k_far, v_far, tables, lens, starts, chunk, SCALE, exact=exact)
 
     rows = []
-    kernel = dense_attention._prefill_kernel
-    trials = [("no window", None, False), (f"W={WINDOW}", (k_near, v_near, WINDOW), False),
-              (f"W={WINDOW}, no register cap", (k_near, v_near, WINDOW), True), ("no window (again)", None, False)]
-    for label, exact, uncapped in trials:
+    launches = dense_attention._prefill_launches
+    for setting, (label, exact) in itertools.product(settings, [("no window", None),
+                                                                (f"W={WINDOW}", (k_near, v_near, WINDOW))]):
         try:
-            dense_attention._prefill_kernel = _WithOptions(kernel, maxnreg=None) if uncapped else kernel
+            dense_attention._prefill_launches = lambda block_d: [setting]
             ms = time_ms(run(exact), warmup=3, iters=20, device=device)
-            rows.append(f"| {prefix // 1024}K + {chunk} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+            rows.append(f"| {prefix // 1024}K + {chunk} | {label} | {setting} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
         except Exception:  # one failed trial must not lose the others
             traceback.print_exc()
-            rows.append(f"| {prefix // 1024}K + {chunk} | {label} | failed | |")
+            rows.append(f"| {prefix // 1024}K + {chunk} | {label} | {setting} | failed | |")
         finally:
-            dense_attention._prefill_kernel = kernel
+            dense_attention._prefill_launches = launches
         print(rows[-1], flush=True)
     return rows
 
@@ -160,9 +157,10 @@ def main() -> None:
             traceback.print_exc()
             failures.append(name)
         torch.cuda.empty_cache()
-    rows = ["| context | paged_prefill | ms | TFLOP/s |", "| --- | --- | ---: | ---: |"]
-    for prefix in (16384, 65536):
-        rows += time_case(prefix, 2048, device)
+    settings = sweep_settings() if "--sweep" in sys.argv else dense_attention._prefill_launches(DIM)
+    rows = ["| context | paged_prefill | launch | ms | TFLOP/s |", "| --- | --- | --- | ---: | ---: |"]
+    for prefix in (4096, 16384, 65536):
+        rows += time_case(prefix, 2048, settings, device)
     print("\n" + "\n".join(rows))
     if failures:
         print(f"FAILED: {failures}")

@@ -30,13 +30,15 @@ OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, divisible: frozenset[str] = frozenset()):
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, divisible: frozenset[str] = frozenset(),
+                 **options):
     """A CompiledKernel for sm_90; every pointer argument is assumed 16-byte aligned (as torch allocates),
-    and the integer arguments named in ``divisible`` multiples of 16 (as a launch specializes them)."""
+    and the integer arguments named in ``divisible`` multiples of 16 (as a launch specializes them). ``options``:
+    further launch options (num_stages, maxnreg)."""
     hints = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
              if t.startswith("*") or name in divisible}
     source = ASTSource(fn, signature, constexprs, hints)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
 
 
 def sass_counts(kernel) -> tuple[collections.Counter, dict]:

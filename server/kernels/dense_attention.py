@@ -24,11 +24,13 @@ for fp16/fp32 (shared/ENVIRONMENT.md).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from server.kernels import pdl
 from server.kernels.backend import multiprocessors
@@ -37,6 +39,8 @@ from server.kernels.timing import timed
 
 if TYPE_CHECKING:  # paged_kv imports this module lazily; a runtime import would be circular
     from server.kernels.paged_kv import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -371,6 +375,26 @@ def _check_near_pages(k_pages: torch.Tensor, exact) -> tuple[torch.Tensor, torch
     return k_near, v_near, window
 
 
+def _prefill_launches(block_d: int) -> list[dict]:
+    """Tile sizes and launch options of the prefill kernel for a head of ``block_d`` dims, fastest first.
+
+    H200, a 2048-token chunk over 64K / 4K cached tokens, 16 query / 8 KV heads (44 settings a kernel swept at
+    d128, docs/BENCHMARKS.md): 128 x 64 tiles, 8 warps, 3 stages, registers capped at 128 took d128's plain kernel
+    from 5.21 to 3.03 ms and its windowed one (two passes, ~180 registers uncapped) from 7.05 to 3.16 ms; d64's
+    from 3.14 to 2.19 and 3.45 to 2.16. The cap matters with 8 warps (4 warps at 128 registers ran 3-4x slower).
+    They take 98.5 KB of shared memory at d128: a GPU with less falls back to the earlier 64 x 64 tiles in two
+    stages (82 KB). 256 needs 32-row tiles to hold [BLOCK, D] in registers.
+    """
+    block = 64 if block_d < 256 else 32
+    earlier = dict(BLOCK_M=block, BLOCK_N=block, num_warps=4 if block_d <= 64 else 8, num_stages=2)
+    if block_d <= 128:
+        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, maxnreg=128), earlier]
+    return [earlier]
+
+
+_unfit_launches: set[tuple[torch.device, int]] = set()  # (device, block_d) whose fastest launch did not build
+
+
 def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                   scale: float, exact: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -386,27 +410,34 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     tokens, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     block_d = triton.next_power_of_2(head_dim)
-    block = 64 if block_d <= 128 else 32  # keeps the [BLOCK, D] tiles of a 256-dim head in registers
-    num_warps = 4 if block_d <= 64 else 8
-    # Two passes cost the windowed kernel registers (sm_90, d128: about 180 against the plain kernel's 128),
-    # which leaves one 8-warp program per SM where the plain kernel runs two; capped at 128 it compiles
-    # without spills (offline sm_90 compile, Triton 3.6 and 3.7). Other head sizes: no such gain to keep.
-    options = {"maxnreg": 128} if exact is not None and block_d == 128 else {}
     out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
-    with timed("dense_paged_prefill", q.device):
-        _prefill_kernel[(num_seqs, q_heads, triton.cdiv(max_query_len, block))](
-            q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out,
-            scale * LOG2E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_tables.stride(0),
-            k_near, v_near, window,
-            PAGE_SIZE=page_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=_dot_precision(k_pages), RECENT=exact is not None,
-            num_warps=num_warps, num_stages=2, **options,
-        )
+
+    def run(launch: dict) -> None:
+        with timed("dense_paged_prefill", q.device):
+            _prefill_kernel[(num_seqs, q_heads, triton.cdiv(max_query_len, launch["BLOCK_M"]))](
+                q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out,
+                scale * LOG2E,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_tables.stride(0),
+                k_near, v_near, window,
+                PAGE_SIZE=page_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                DOT_PRECISION=_dot_precision(k_pages), RECENT=exact is not None, **launch,
+            )
+
+    launches = _prefill_launches(block_d)
+    fastest, earliest = launches[0], launches[-1]
+    unfit = (q.device, block_d) in _unfit_launches
+    try:
+        run(earliest if unfit else fastest)
+    except OutOfResources as exc:  # slower but correct, said once, never silent
+        if unfit or fastest is earliest:
+            raise
+        _unfit_launches.add((q.device, block_d))
+        log.warning("dense prefill: %s does not fit %s (%s); using %s", fastest, q.device, exc, earliest)
+        run(earliest)
     return out
 
 

@@ -249,6 +249,18 @@ def test_prefill_recent_window_that_covers_everything_reads_only_the_exact_pages
                  prefill(q, k_near, v_near, meta, 0.125), 1e-6, "W = longest sequence vs plain prefill on exact pages")
 
 
+@pytest.mark.parametrize("window", [None, 17])
+def test_prefill_d128_chunks_across_query_blocks(window):
+    # d128 runs its own tiles (128 queries x 64 keys): chunks longer than a query block, one after a prefix that
+    # is a multiple of neither tile, a whole prompt of 150, a short chunk.
+    seq_lens, query_lens = zip((300, 200), (150, 150), (41, 23))
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 4, 2, 128, torch.float32, seed=40)
+    exact = None if window is None else (*exact_pages(k_pages, v_pages, meta, window, seed=41), window)
+    scale = 128**-0.5
+    fast = prefill(q, k_pages, v_pages, meta, scale, exact=exact)
+    assert_close(fast, oracle(q, k_pages, v_pages, meta, scale, exact=exact), 1e-5, f"d128 prefill, window {window}")
+
+
 def test_prefill_recent_window_bad_arguments_are_refused():
     q, k_pages, v_pages, meta = make_batch([5], [5], 2, 1, 64, torch.float32)
     with pytest.raises(ValueError, match="W must be an int >= 1"):
@@ -302,3 +314,33 @@ def test_split_count_fills_the_gpu_but_not_with_tiny_splits():
     assert choose_num_splits(64, 8, 65536, cpu) == 1  # already more programs than the target
     splits = choose_num_splits(1, 1, 65536, cpu)
     assert splits > 1 and splits & (splits - 1) == 0 and math.ceil(65536 / splits) >= 256
+
+
+def test_prefill_falls_back_to_smaller_tiles_when_the_fastest_does_not_fit(monkeypatch, caplog):
+    # A GPU with less shared memory than the fastest tiles need: the kernel build raises OutOfResources, the
+    # earlier tiles run instead, the answer is still right, and it is said once, not per call.
+    from triton.runtime.errors import OutOfResources
+
+    from server.kernels import dense_attention
+
+    kernel, tried = dense_attention._prefill_kernel, []
+
+    class SmallGpu:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                tried.append(options["num_stages"])
+                if options["num_stages"] == 3:
+                    raise OutOfResources(98560, 65536, "shared memory")
+                return kernel[grid](*args, **options)
+            return launch
+
+    monkeypatch.setattr(dense_attention, "_prefill_kernel", SmallGpu())
+    monkeypatch.setattr(dense_attention, "_unfit_launches", set())
+    q, k_pages, v_pages, meta = make_batch([150, 41], [150, 23], 4, 2, 128, torch.float32, seed=50)
+    expected = oracle(q, k_pages, v_pages, meta, 0.125)
+    with caplog.at_level("WARNING"):
+        first, second = (prefill(q, k_pages, v_pages, meta, 0.125) for _ in range(2))
+    assert tried == [3, 2, 2]
+    assert sum("does not fit" in r.message for r in caplog.records) == 1
+    assert_close(first, expected, 1e-5, "fallback tiles vs float64 oracle")
+    assert_close(second, expected, 1e-5, "fallback tiles, second call")

@@ -1,6 +1,6 @@
 """The hot Triton kernels compile for sm_90 in the configurations the engine launches (no GPU needed): the turbo
 decode and store, the rotation, the quantized experts' decode bodies and the E8 int8 activation rows, the turbo pages' dense
-decode for prefill; and the turbo decode's builds leave room in
+decode for prefill, the dense prefill; and the turbo decode's builds leave room in
 shared memory for the programs an SM its register cap plans for.
 
 The CPU interpreter runs code the GPU compiler rejects (7a08627, reverted: a name rebound with another type in one
@@ -59,6 +59,22 @@ pages_sig = {"codes_ptr": "*u8", "norms_ptr": "*fp16", "poly_ptr": "*fp32", "pag
 for offset in (False, True):  # prefill's pages back to bf16: values, and keys with o(p)
     sass.compile_sm90(dense_pages._dense_pages_kernel, pages_sig, {"H": 8, "PAGE_SIZE": 16, "ROWS": 32, "D": 128,
                       "G": 128, "LOG2_G": 7, "BITS": 3, "OFFSET": offset, "ASM": True}, 4)
+from server.kernels import dense_attention
+prefill_sig = {name: "*bf16" for name in ("q_ptr", "k_pages_ptr", "v_pages_ptr")}
+prefill_sig |= {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "out_ptr": "*bf16",
+                "scale_log2": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                "stride_page", "stride_slot", "stride_head", "stride_bt")}, "k_near_ptr": "*bf16", "v_near_ptr": "*bf16",
+                "window": "i32"}
+strides = frozenset(n for n in prefill_sig if n.startswith("stride") and n != "stride_bt")  # head-sized
+for head_dim in (64, 128):  # the embedded model's heads and the depth shape's, plain and with the recent window
+    launch = dense_attention._prefill_launches(head_dim)[0]
+    tiles = {k: launch[k] for k in ("BLOCK_M", "BLOCK_N")}
+    options = {k: launch[k] for k in ("num_stages", "maxnreg")}
+    for recent in (False, True):
+        kernel = sass.compile_sm90(dense_attention._prefill_kernel, prefill_sig, {
+            "PAGE_SIZE": 16, "GROUP": 2, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "DOT_PRECISION": "tf32",
+            "RECENT": recent, **tiles}, launch["num_warps"], strides, **options)
+        assert kernel.metadata.shared <= 232448, f"prefill d{head_dim}: {kernel.metadata.shared} bytes shared"
 print("all built")
 """
 
