@@ -4,12 +4,12 @@ CI runs the window in Triton's interpreter at toy sizes; here it meets bf16 and 
 8 KV heads, d128, 16-token pages, a 2048-token chunk after a 16K and a 64K prefix, W = 128):
 1. correctness vs a float32 torch reference on upcast inputs (relative L2 error), for a single chunk and a
    mixed batch (decode row, whole prompt, idle sequence). The exact keys carry a shared direction the
-   queries also carry, so the window holds a large share of the softmax mass: a key read from the wrong page
-   array moves the output by far more than bf16 rounding (the "window effect" column says by how much).
-   Exact rows no query reads exactly hold 1000.0, which must not show;
+   queries also carry, so the window holds a large share of the softmax mass: a key read from the wrong array
+   moves the output by far more than bf16 rounding (the "window effect" column says by how much). Exact rows
+   past a sequence's last position hold 1000.0, which must not show;
 2. median time of paged_prefill without a window and with W = 128 (2048-token chunks after 4K, 16K, 64K) in each
-   launch setting of dense_attention._prefill_launches (the fastest first, then the fallback for GPUs it does not
-   fit); with --sweep in 44 settings (tiles, warps, stages, register cap) instead.
+   launch setting of dense_attention._prefill_launches (the fastest of each kernel, then the fallback for GPUs they
+   do not fit); with --sweep in 44 settings (tiles, warps, stages, register cap) instead.
 Exits non-zero when a correctness check fails.
 """
 
@@ -44,24 +44,37 @@ def make_inputs(seq_lens, query_lens, device, dtype=torch.bfloat16):
         tables[s, :n] = order[used : used + n]
         used += n
     shape = (num_pages, PAGE, KV_HEADS, DIM)
+    near_shape = (len(seq_lens), max(query_lens) + WINDOW - 1, KV_HEADS, DIM)  # paged_prefill's exact rows
     lean = torch.nn.functional.normalize(torch.randn(KV_HEADS, DIM, device=device), dim=-1)
-    k_far, v_far, v_near = (torch.randn(shape, device=device).to(dtype) for _ in range(3))
-    k_near = (torch.randn(shape, device=device) + 7.5 * lean).to(dtype)  # logit +7.5 * 7.5 * SCALE, about 5
+    k_far, v_far = (torch.randn(shape, device=device).to(dtype) for _ in range(2))
+    v_near = torch.randn(near_shape, device=device).to(dtype)
+    k_near = (torch.randn(near_shape, device=device) + 7.5 * lean).to(dtype)  # logit +7.5 * 7.5 * SCALE, about 5
     q = (torch.randn(sum(query_lens), Q_HEADS, DIM, device=device)
          + 7.5 * lean.repeat_interleave(Q_HEADS // KV_HEADS, dim=0)).to(dtype)  # fmt: skip
-    for s, (n, m) in enumerate(zip(seq_lens, query_lens)):  # rows the kernel may hold anything in
-        stale = torch.arange(max(0, n - m - WINDOW + 1), device=device)
-        slots = tables[s, stale // PAGE].long() * PAGE + stale % PAGE
-        k_near.view(-1, KV_HEADS, DIM)[slots] = 1000.0
-        v_near.view(-1, KV_HEADS, DIM)[slots] = 1000.0
+    for s, (n, m) in enumerate(zip(seq_lens, query_lens)):  # rows past the last position, which must not show
+        k_near[s, n - _first_exact(n, m) :] = 1000.0
+        v_near[s, n - _first_exact(n, m) :] = 1000.0
     starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return q, k_far, v_far, k_near, v_near, tables, lens, starts
 
 
+def _first_exact(n, m):
+    """The first position a sequence of n tokens, m of them queries, reads exactly: its exact rows' first."""
+    return max(0, n - m - WINDOW + 1)
+
+
 def _tokens(pages_of, pages, n, kv):
     """float32 [n, len(kv), D]: a sequence's first n tokens (its pages in order) at KV heads kv."""
     return pages_of[pages].reshape(-1, KV_HEADS, DIM)[:n].index_select(1, kv).float()
+
+
+def _exact_tokens(rows_of, s, n, m, kv):
+    """float32 [n, len(kv), D]: sequence s's exact rows at their positions, zero before them."""
+    out = torch.zeros(n, len(kv), DIM, device=rows_of.device)
+    first = _first_exact(n, m)
+    out[first:] = rows_of[s, : n - first].index_select(1, kv).float()
+    return out
 
 
 def reference(q, k_far, v_far, k_near, v_near, tables, seq_lens, query_lens, window):
@@ -80,11 +93,12 @@ def reference(q, k_far, v_far, k_near, v_near, tables, seq_lens, query_lens, win
             qh = q[row : row + m, h0 : h0 + 4].float()
             scores = torch.einsum("lhd,nhd->hln", qh, _tokens(k_far, pages, n, kv))
             if window:
-                scores = torch.where(near, torch.einsum("lhd,nhd->hln", qh, _tokens(k_near, pages, n, kv)), scores)
+                scores = torch.where(near, torch.einsum("lhd,nhd->hln", qh, _exact_tokens(k_near, s, n, m, kv)),
+                                     scores)  # fmt: skip
             probs = torch.softmax((scores * SCALE).masked_fill(j > t, float("-inf")), dim=-1)
             o = torch.einsum("hln,nhd->lhd", probs * ~near, _tokens(v_far, pages, n, kv))
             if window:
-                o += torch.einsum("hln,nhd->lhd", probs * near, _tokens(v_near, pages, n, kv))
+                o += torch.einsum("hln,nhd->lhd", probs * near, _exact_tokens(v_near, s, n, m, kv))
             out[row : row + m, h0 : h0 + 4] = o
             del scores, probs
         row += m
@@ -131,7 +145,7 @@ def time_case(prefix, chunk, settings, device):
     for setting, (label, exact) in itertools.product(settings, [("no window", None),
                                                                 (f"W={WINDOW}", (k_near, v_near, WINDOW))]):
         try:
-            dense_attention._prefill_launches = lambda block_d: [setting]
+            dense_attention._prefill_launches = lambda block_d, window: [setting]
             ms = time_ms(run(exact), warmup=3, iters=20, device=device)
             rows.append(f"| {prefix // 1024}K + {chunk} | {label} | {setting} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
         except Exception:  # one failed trial must not lose the others
@@ -157,7 +171,8 @@ def main() -> None:
             traceback.print_exc()
             failures.append(name)
         torch.cuda.empty_cache()
-    settings = sweep_settings() if "--sweep" in sys.argv else dense_attention._prefill_launches(DIM)
+    settings = sweep_settings() if "--sweep" in sys.argv else [
+        *dense_attention._prefill_launches(DIM, False)[:1], *dense_attention._prefill_launches(DIM, True)]
     rows = ["| context | paged_prefill | launch | ms | TFLOP/s |", "| --- | --- | --- | ---: | ---: |"]
     for prefix in (4096, 16384, 65536):
         rows += time_case(prefix, 2048, settings, device)

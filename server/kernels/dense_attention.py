@@ -69,10 +69,16 @@ def _write_kv_kernel(
 
 @triton.jit
 def _load_kv_tile(pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                  stride_page, stride_slot, stride_head, PAGE_SIZE: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] of K or V for the given token positions, through the block table."""
-    pages = tl.load(block_table_row + toks // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
-    rows = pages * stride_page + (toks % PAGE_SIZE) * stride_slot + kv_head * stride_head
+                  stride_page, stride_slot, stride_head, PAGE_SIZE: tl.constexpr, near_first=0,
+                  NEAR: tl.constexpr = False):
+    """[BLOCK_N, BLOCK_D] of K or V for the given token positions, through the block table; NEAR: from a
+    sequence's exact rows instead (pages_ptr at its first, position near_first), zero before them."""
+    if NEAR:
+        tok_mask &= toks >= near_first
+        rows = (toks - near_first).to(tl.int64) * stride_slot + kv_head * stride_head
+    else:
+        pages = tl.load(block_table_row + toks // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        rows = pages * stride_page + (toks % PAGE_SIZE) * stride_slot + kv_head * stride_head
     return tl.load(pages_ptr + rows[:, None] + dims[None, :],
                    mask=tok_mask[:, None] & dim_mask[None, :], other=0.0)
 
@@ -80,17 +86,17 @@ def _load_kv_tile(pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim
 @triton.jit
 def _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask, kv_head,
                  dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
-                 PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, near_first=0, NEAR: tl.constexpr = False):
     """One BLOCK_N tile of flash attention: scores (log2 domain), online-softmax rescale, P·V accumulate."""
     k = _load_kv_tile(k_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+                      stride_page, stride_slot, stride_head, PAGE_SIZE, near_first, NEAR)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     v = _load_kv_tile(v_pages_ptr, block_table_row, toks, tok_mask, kv_head, dims, dim_mask,
-                      stride_page, stride_slot, stride_head, PAGE_SIZE)
+                      stride_page, stride_slot, stride_head, PAGE_SIZE, near_first, NEAR)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l = l * alpha + tl.sum(p, axis=1)
     return acc, l, m_new
@@ -182,9 +188,11 @@ def _decode_merge_kernel(
 @triton.jit
 def _prefill_range(q, q_pos, acc, l, m, lo, hi, end, k_pages_ptr, v_pages_ptr, window, block_table_row, kv_head,
                    dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SIDE: tl.constexpr):
-    """Key tiles [lo, hi) of a query block (keys >= end masked) from one page array, causally. SIDE 0: every
-    key; 1: only keys far from the query (j <= t - window); 2: only near ones (t - window < j <= t)."""
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SIDE: tl.constexpr,
+                   near_first=0):
+    """Key tiles [lo, hi) of a query block (keys >= end masked), causally. SIDE 0: every key; 1: only keys far
+    from the query (j <= t - window); 2: only near ones (t - window < j <= t), from the sequence's exact rows
+    (k_pages_ptr / v_pages_ptr at its row of position near_first)."""
     newest = q_pos - window if SIDE == 1 else q_pos  # the last key each query reads here
     for n0 in range(lo, hi, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
@@ -194,7 +202,7 @@ def _prefill_range(q, q_pos, acc, l, m, lo, hi, end, k_pages_ptr, v_pages_ptr, w
             visible &= toks[None, :] > newest[:, None] - window
         acc, l, m = _attend_tile(q, visible, acc, l, m, k_pages_ptr, v_pages_ptr, block_table_row, toks, tok_mask,
                                  kv_head, dims, dim_mask, stride_page, stride_slot, stride_head, scale_log2,
-                                 PAGE_SIZE, DOT_PRECISION)
+                                 PAGE_SIZE, DOT_PRECISION, near_first, SIDE == 2)
     return acc, l, m
 
 
@@ -204,7 +212,7 @@ def _prefill_kernel(
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_page, stride_slot, stride_head, stride_bt,
-    k_near_ptr, v_near_ptr, window,  # last: placed earlier, they cost the plain kernel 12 registers (ptxas)
+    k_near_ptr, v_near_ptr, stride_near_seq, window,  # last: placed earlier, they cost the plain kernel 12 registers
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, RECENT: tl.constexpr,
 ):
@@ -233,8 +241,8 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if RECENT:
-        # Key j is near for query t when j > t - window: one pass over the far pages' keys, one over the near
-        # pages'; the online softmax merges them as it merges tiles. The far pass ends at near_start, where
+        # Key j is near for query t when j > t - window: one pass over the far pages' keys, one over the
+        # sequence's exact rows; the online softmax merges them as it merges tiles. The far pass ends at near_start, where
         # every key is near for the block's last query (end - 1), so for all; the near pass starts at far_end,
         # before which every key is far for its first query. Only the tiles between, two or three, are read
         # twice. A query can see no key in a whole tile of a pass, so the running max starts finite:
@@ -246,9 +254,11 @@ def _prefill_kernel(
         acc, l, m = _prefill_range(q, q_pos, acc, l, m, 0, near_start, end, k_pages_ptr, v_pages_ptr, window,
                                    block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
                                    scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, 1)
-        acc, l, m = _prefill_range(q, q_pos, acc, l, m, far_end, end, end, k_near_ptr, v_near_ptr, window,
-                                   block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot, stride_head,
-                                   scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, 2)
+        near_first = tl.maximum(seq_len - q_len - window + 1, 0)  # the first position any query reads exactly
+        near = seq.to(tl.int64) * stride_near_seq
+        acc, l, m = _prefill_range(q, q_pos, acc, l, m, far_end, end, end, k_near_ptr + near, v_near_ptr + near,
+                                   window, block_table_row, kv_head, dims, dim_mask, stride_page, stride_slot,
+                                   stride_head, scale_log2, PAGE_SIZE, BLOCK_N, DOT_PRECISION, 2, near_first)
     else:
         # Every row sees key 0 in the first tile, so the running max is finite from then on.
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -357,42 +367,52 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     return out
 
 
-def _check_near_pages(k_pages: torch.Tensor, exact) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _check_near_rows(k_pages: torch.Tensor, exact, num_seqs: int, max_query_len: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     if not (isinstance(exact, tuple) and len(exact) == 3):
-        raise ValueError("exact must be a tuple (exact K pages, exact V pages, window W)")
+        raise ValueError("exact must be a tuple (exact K rows, exact V rows, window W)")
     k_near, v_near, window = exact
-    for name, pages in (("K", k_near), ("V", v_near)):
-        if pages.shape != k_pages.shape or pages.dtype != k_pages.dtype or pages.stride() != k_pages.stride():
-            raise ValueError(
-                f"exact {name} pages {tuple(pages.shape)} {pages.dtype} strides {pages.stride()} must match the "
-                f"pages {tuple(k_pages.shape)} {k_pages.dtype} strides {k_pages.stride()}: they share its block "
-                f"tables (allocate them like the pages, e.g. torch.empty_like)"
-            )
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31:
         raise ValueError(
             f"the recent window W must be an int >= 1 (1: a query reads only its own key exactly), got {window!r}"
         )
+    rows = max_query_len + window - 1
+    for name, near in (("K", k_near), ("V", v_near)):
+        if (near.dim() != 4 or near.shape[0] != num_seqs or near.shape[1] < rows or near.shape[2:] != k_pages.shape[2:]
+                or near.dtype != k_pages.dtype or near.stride()[1:] != k_pages.stride()[1:]
+                or near.stride() != k_near.stride()):
+            raise ValueError(
+                f"exact {name} rows {tuple(near.shape)} {near.dtype} strides {near.stride()} must be [{num_seqs} "
+                f"sequences, >= {rows} rows (max_query_len + W - 1), {k_pages.shape[2]} KV heads, {k_pages.shape[3]}] "
+                f"in the pages' dtype {k_pages.dtype}, laid out as a page's rows {k_pages.stride()[1:]} (contiguous "
+                f"when the pages are), K and V alike"
+            )
     return k_near, v_near, window
 
 
-def _prefill_launches(block_d: int) -> list[dict]:
-    """Tile sizes and launch options of the prefill kernel for a head of ``block_d`` dims, fastest first.
+def _prefill_launches(block_d: int, window: bool) -> list[dict]:
+    """Tile sizes and launch options of the prefill kernel for a head of ``block_d`` dims, without or with the
+    recent window, fastest first.
 
     H200, a 2048-token chunk over 64K / 4K cached tokens, 16 query / 8 KV heads (44 settings a kernel swept at
     d128, docs/BENCHMARKS.md): 128 x 64 tiles, 8 warps, 3 stages, registers capped at 128 took d128's plain kernel
-    from 5.21 to 3.03 ms and its windowed one (two passes, ~180 registers uncapped) from 7.05 to 3.16 ms; d64's
-    from 3.14 to 2.19 and 3.45 to 2.16. The cap matters with 8 warps (4 warps at 128 registers ran 3-4x slower).
-    They take 98.5 KB of shared memory at d128: a GPU with less falls back to the earlier 64 x 64 tiles in two
-    stages (82 KB). 256 needs 32-row tiles to hold [BLOCK, D] in registers.
+    from 5.21 to 3.03 ms; d64's from 3.14 to 2.19. The windowed kernel (two passes, ~190 registers uncapped) spills
+    more under the cap: its exact rows read as [sequence, row] arrays, it took 4.50 ms in 3 stages, 3.38 in 2
+    (3.17 / 3.50 when it read them through the block tables; 7.05 ms before the sweep). The cap matters with 8
+    warps (4 warps at 128 registers ran 3-4x slower). The d128 tiles take 98.5 KB of shared memory in 3 stages:
+    a GPU with less falls back to the earlier 64 x 64 tiles in two stages (82 KB). 256 needs 32-row tiles to hold
+    [BLOCK, D] in registers.
     """
     block = 64 if block_d < 256 else 32
-    earlier = dict(BLOCK_M=block, BLOCK_N=block, num_warps=4 if block_d <= 64 else 8, num_stages=2)
+    earlier = dict(BLOCK_M=block, BLOCK_N=block, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+                   **({"maxnreg": 128} if block_d == 128 else {}))  # the window's d128 kernel: 18.7 -> 14.2 ms
     if block_d <= 128:
-        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, maxnreg=128), earlier]
+        stages = 2 if window and block_d == 128 else 3
+        return [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=stages, maxnreg=128), earlier]
     return [earlier]
 
 
-_unfit_launches: set[tuple[torch.device, int]] = set()  # (device, block_d) whose fastest launch did not build
+_unfit_launches: set[tuple] = set()  # (device, block_d, window) whose fastest launch did not build
 
 
 def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
@@ -400,18 +420,20 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                   scale: float, exact: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """Varlen causal attention: q [T, q_heads, D] rows grouped by query_start_loc -> same shape.
 
-    ``exact`` = (K pages, V pages, W), laid out like k_pages and read through the same block tables: a query
-    at position t reads key and value j from them when j > t - W and from k_pages / v_pages otherwise
-    (server/kernels/turbo/recent.py: the recent window, exact beside the decoded turbo pages). They need hold
-    real values only at the positions some query reads exactly; elsewhere any finite values.
+    ``exact`` = (K rows, V rows, W), each [num_seqs, >= max_query_len + W - 1, kv_heads, D]: a query at position t
+    reads key and value j from them when j > t - W and from k_pages / v_pages otherwise (server/kernels/turbo/
+    recent.py: the recent window, exact beside the decoded turbo pages). Row i of sequence s holds position
+    max(0, first - W + 1) + i, first being the sequence's first query position: the positions its queries read
+    exactly, in order; rows past its last position are never read.
     """
     _check_pages(q, k_pages, v_pages)
-    k_near, v_near, window = (k_pages, v_pages, 0) if exact is None else _check_near_pages(k_pages, exact)
+    num_seqs = seq_lens.shape[0]
+    k_near, v_near, window = ((k_pages, v_pages, 0) if exact is None else
+                              _check_near_rows(k_pages, exact, num_seqs, max_query_len))
     tokens, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     out = torch.empty_like(q)
-    num_seqs = seq_lens.shape[0]
     if tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
 
@@ -422,20 +444,21 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                 scale * LOG2E,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_tables.stride(0),
-                k_near, v_near, window,
+                k_near, v_near, k_near.stride(0), window,
                 PAGE_SIZE=page_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
                 DOT_PRECISION=_dot_precision(k_pages), RECENT=exact is not None, **launch,
             )
 
-    launches = _prefill_launches(block_d)
+    launches = _prefill_launches(block_d, exact is not None)
     fastest, earliest = launches[0], launches[-1]
-    unfit = (q.device, block_d) in _unfit_launches
+    kind = (q.device, block_d, exact is not None)
+    unfit = kind in _unfit_launches
     try:
         run(earliest if unfit else fastest)
     except OutOfResources as exc:  # slower but correct, said once, never silent
         if unfit or fastest is earliest:
             raise
-        _unfit_launches.add((q.device, block_d))
+        _unfit_launches.add(kind)
         log.warning("dense prefill: %s does not fit %s (%s); using %s", fastest, q.device, exc, earliest)
         run(earliest)
     return out

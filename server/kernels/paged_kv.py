@@ -13,8 +13,9 @@ one rule covers decode (q_len 1), whole prefills and chunked prefill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +33,16 @@ class AttentionMetadata:
     # [S] int32: each sequence's row of a turbo store's recent window (server/kernels/turbo/recent.py);
     # None where the cache keeps none
     recent_rows: torch.Tensor | None = None
+    # What step_value built: index tensors every layer of an eager step would otherwise rebuild
+    _step_values: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def step_value(self, name: str, build: Callable[[], Any]) -> Any:
+        """build(), once per step: a value that depends on this metadata alone (e.g. a prefill's index tensors),
+        built by the first layer and shared by the rest. Eager steps only: a captured graph's metadata is
+        rewritten in place between replays, so nothing derived from it may be kept."""
+        if name not in self._step_values:
+            self._step_values[name] = build()
+        return self._step_values[name]
 
     @property
     def max_seq_len(self) -> int:

@@ -69,8 +69,9 @@ def gather_tokens(pages, slots):
 def oracle(q, k_pages, v_pages, meta, scale, exact=None):
     """float64, one query at a time, keys gathered token by token through the block table.
 
-    exact = (K pages, V pages, W): the query at position t takes key and value j from these when
-    j > t - W (its last W positions, itself included), from k_pages / v_pages before that."""
+    exact = (K rows, V rows, W) as paged_prefill takes them: the query at position t takes key and value j from
+    row j - max(0, first - W + 1) of its sequence when j > t - W (its last W positions, itself included), from
+    k_pages / v_pages before that."""
     kv_heads, page = k_pages.shape[2], k_pages.shape[1]
     group = q.shape[1] // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -79,13 +80,14 @@ def oracle(q, k_pages, v_pages, meta, scale, exact=None):
         slots = [(int(meta.block_tables[s, t // page]), t % page) for t in range(seq_len)]
         keys, values = gather_tokens(k_pages, slots), gather_tokens(v_pages, slots)
         if exact is not None:
-            exact_keys, exact_values = gather_tokens(exact[0], slots), gather_tokens(exact[1], slots)
+            first_row = max(0, seq_len - q_len - exact[2] + 1)
         for i in range(q_len):
             t = seq_len - q_len + i
             keys_t, values_t = keys[: t + 1].clone(), values[: t + 1].clone()
             if exact is not None:
                 near = max(0, t - exact[2] + 1)
-                keys_t[near:], values_t[near:] = exact_keys[near : t + 1], exact_values[near : t + 1]
+                keys_t[near:] = exact[0][s, near - first_row : t + 1 - first_row].double()
+                values_t[near:] = exact[1][s, near - first_row : t + 1 - first_row].double()
             for h in range(q.shape[1]):
                 logits = keys_t[:, h // group] @ q[row + i, h].double() * scale
                 weights = torch.exp(logits - logits.max())
@@ -182,16 +184,16 @@ def test_chunked_prefill_equals_whole_prefill():
 WINDOW_CASES = [(70, 70), (130, 66), (9, 0), (200, 1), (41, 23)]
 
 
-def exact_pages(k_pages, v_pages, meta, window, seed):
-    """Exact K/V unlike the far pages; rows no query reads exactly (before each sequence's first query
-    position - W + 1) hold large values instead, which the kernel must neither use nor turn into NaN."""
+def exact_rows(k_pages, meta, window, seed):
+    """Exact K and V rows unlike the far pages, [sequences, max_query_len + W - 1, kv_heads, D] as paged_prefill
+    takes them; rows past each sequence's last position hold large values, which the kernel must neither use nor
+    turn into NaN."""
     gen = torch.Generator().manual_seed(seed)
-    k_near, v_near = (torch.randn(k_pages.shape, generator=gen).to(k_pages.dtype) for _ in range(2))
-    page = k_pages.shape[1]
+    shape = (len(meta.seq_lens_cpu), meta.max_query_len + window - 1, *k_pages.shape[2:])
+    k_near, v_near = (torch.randn(shape, generator=gen).to(k_pages.dtype) for _ in range(2))
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        for t in range(max(0, seq_len - q_len - window + 1)):
-            slot = int(meta.block_tables[s, t // page]), t % page
-            k_near[slot], v_near[slot] = 300.0, -300.0
+        used = seq_len - max(0, seq_len - q_len - window + 1)
+        k_near[s, used:], v_near[s, used:] = 300.0, -300.0
     return k_near, v_near
 
 
@@ -204,7 +206,7 @@ def prefill(q, k_pages, v_pages, meta, scale, exact=None):
 def test_prefill_recent_window_matches_oracle(window):
     seq_lens, query_lens = zip(*WINDOW_CASES)
     q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 4, 2, 64, torch.float32, seed=10 + window)
-    k_near, v_near = exact_pages(k_pages, v_pages, meta, window, seed=window)
+    k_near, v_near = exact_rows(k_pages, meta, window, seed=window)
     expected = oracle(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
     fast = prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
     assert_close(fast, expected, 1e-5, f"prefill with recent window {window} vs float64 oracle")
@@ -219,7 +221,7 @@ def test_prefill_recent_window_heads_pages_dtypes(head_dim, group, page, dtype):
     window = 17  # not a multiple of the tile or of either page size
     seq_lens, query_lens = zip(*WINDOW_CASES)
     q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 2 * group, 2, head_dim, dtype, seed=group, page=page)
-    k_near, v_near = exact_pages(k_pages, v_pages, meta, window, seed=head_dim)
+    k_near, v_near = exact_rows(k_pages, meta, window, seed=head_dim)
     scale = head_dim**-0.5
     expected = oracle(q, k_pages, v_pages, meta, scale, exact=(k_near, v_near, window))
     fast = prefill(q, k_pages, v_pages, meta, scale, exact=(k_near, v_near, window))
@@ -233,20 +235,27 @@ def test_prefill_recent_window_edge_at_every_offset_within_a_tile():
     window = 17
     seq_lens = list(range(70, 70 + 64))
     q, k_pages, v_pages, meta = make_batch(seq_lens, [1] * len(seq_lens), 2, 1, 64, torch.float32, seed=30)
-    k_near, v_near = exact_pages(k_pages, v_pages, meta, window, seed=31)
+    k_near, v_near = exact_rows(k_pages, meta, window, seed=31)
     expected = oracle(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
     fast = prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_near, v_near, window))
     assert_close(fast, expected, 1e-5, "one query at each position 69..132, W 17, vs float64 oracle")
 
 
-def test_prefill_recent_window_that_covers_everything_reads_only_the_exact_pages():
-    # A cross-check that does not go through the oracle: W past every position is the plain kernel on the
-    # exact pages, and a window over garbage far pages must not see them.
+def test_prefill_recent_window_that_covers_everything_reads_only_the_exact_rows():
+    # A cross-check that does not go through the oracle: W past every position is the plain kernel on pages
+    # holding the exact rows, and a window over garbage far pages must not see them.
     seq_lens, query_lens = zip(*WINDOW_CASES)
-    q, k_near, v_near, meta = make_batch(seq_lens, query_lens, 4, 2, 64, torch.float32, seed=20)
-    far = torch.full_like(k_near, 300.0)
-    assert_close(prefill(q, far, far, meta, 0.125, exact=(k_near, v_near, 200)),
-                 prefill(q, k_near, v_near, meta, 0.125), 1e-6, "W = longest sequence vs plain prefill on exact pages")
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 4, 2, 64, torch.float32, seed=20)
+    window = 200
+    rows = torch.zeros(len(seq_lens), meta.max_query_len + window - 1, *k_pages.shape[2:])
+    k_near, v_near = rows.clone(), rows.clone()
+    for s, seq_len in enumerate(seq_lens):  # W past every position: row i is position i
+        slots = [(int(meta.block_tables[s, t // PAGE]), t % PAGE) for t in range(seq_len)]
+        k_near[s, :seq_len] = gather_tokens(k_pages, slots).float()
+        v_near[s, :seq_len] = gather_tokens(v_pages, slots).float()
+    far = torch.full_like(k_pages, 300.0)
+    assert_close(prefill(q, far, far, meta, 0.125, exact=(k_near, v_near, window)),
+                 prefill(q, k_pages, v_pages, meta, 0.125), 1e-6, "W = longest sequence vs plain prefill")
 
 
 @pytest.mark.parametrize("window", [None, 17])
@@ -255,7 +264,7 @@ def test_prefill_d128_chunks_across_query_blocks(window):
     # is a multiple of neither tile, a whole prompt of 150, a short chunk.
     seq_lens, query_lens = zip((300, 200), (150, 150), (41, 23))
     q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 4, 2, 128, torch.float32, seed=40)
-    exact = None if window is None else (*exact_pages(k_pages, v_pages, meta, window, seed=41), window)
+    exact = None if window is None else (*exact_rows(k_pages, meta, window, seed=41), window)
     scale = 128**-0.5
     fast = prefill(q, k_pages, v_pages, meta, scale, exact=exact)
     assert_close(fast, oracle(q, k_pages, v_pages, meta, scale, exact=exact), 1e-5, f"d128 prefill, window {window}")
@@ -265,10 +274,14 @@ def test_prefill_recent_window_bad_arguments_are_refused():
     q, k_pages, v_pages, meta = make_batch([5], [5], 2, 1, 64, torch.float32)
     with pytest.raises(ValueError, match="W must be an int >= 1"):
         prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages, v_pages, 0))
-    with pytest.raises(ValueError, match="must match the pages"):
-        prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages[:-1], v_pages, 4))
-    with pytest.raises(ValueError, match="must match the pages"):
-        prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages, v_pages.half(), 4))
+    rows = torch.zeros(1, 5 + 4 - 1, 1, 64)
+    prefill(q, k_pages, v_pages, meta, 0.125, exact=(rows, rows, 4))  # the smallest that fits
+    with pytest.raises(ValueError, match=r">= 8 rows \(max_query_len \+ W - 1\)"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(rows[:, :-1], rows, 4))
+    with pytest.raises(ValueError, match="in the pages' dtype"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(rows, rows.half(), 4))
+    with pytest.raises(ValueError, match="laid out as a page's rows"):
+        prefill(q, k_pages, v_pages, meta, 0.125, exact=(rows, torch.zeros(1, 8, 1, 128)[..., :64], 4))
     with pytest.raises(ValueError, match="tuple"):
         prefill(q, k_pages, v_pages, meta, 0.125, exact=(k_pages, v_pages))
 

@@ -64,13 +64,13 @@ prefill_sig = {name: "*bf16" for name in ("q_ptr", "k_pages_ptr", "v_pages_ptr")
 prefill_sig |= {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "out_ptr": "*bf16",
                 "scale_log2": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh",
                 "stride_page", "stride_slot", "stride_head", "stride_bt")}, "k_near_ptr": "*bf16", "v_near_ptr": "*bf16",
-                "window": "i32"}
-strides = frozenset(n for n in prefill_sig if n.startswith("stride") and n != "stride_bt")  # head-sized
+                "stride_near_seq": "i32", "window": "i32"}
+strides = frozenset(n for n in prefill_sig if n.startswith("stride") and n != "stride_bt")  # multiples of D
 for head_dim in (64, 128):  # the embedded model's heads and the depth shape's, plain and with the recent window
-    launch = dense_attention._prefill_launches(head_dim)[0]
-    tiles = {k: launch[k] for k in ("BLOCK_M", "BLOCK_N")}
-    options = {k: launch[k] for k in ("num_stages", "maxnreg")}
     for recent in (False, True):
+        launch = dense_attention._prefill_launches(head_dim, recent)[0]
+        tiles = {k: launch[k] for k in ("BLOCK_M", "BLOCK_N")}
+        options = {k: launch[k] for k in ("num_stages", "maxnreg")}
         kernel = sass.compile_sm90(dense_attention._prefill_kernel, prefill_sig, {
             "PAGE_SIZE": 16, "GROUP": 2, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "DOT_PRECISION": "tf32",
             "RECENT": recent, **tiles}, launch["num_warps"], strides, **options)

@@ -57,7 +57,7 @@ from server.kernels.turbo.dense_pages import dense_pages_triton
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
 from server.kernels.turbo.quantize import TurboPages, quantize_rows, recent_arguments
-from server.kernels.turbo.recent import RecentWindow, exact_pages
+from server.kernels.turbo.recent import RecentWindow
 from server.kernels.turbo.sincos import sincos
 
 LOG2E = 1.4426950408889634
@@ -651,38 +651,44 @@ def decoded_pages(pages: TurboPages, kind: str, page_ids: torch.Tensor, head_dim
     return rotate(rotated, group_size(head_dim), inverse=True).to(dtype).transpose(1, 2).contiguous()
 
 
+def _decoded_page_layout(meta: AttentionMetadata, page_size: int, device: torch.device):
+    """(page_ids, compact block tables, each decoded page's first position) of a step: each sequence's pages in
+    table order become consecutive decoded pages of its own, with no sort and no host sync (a page two sequences
+    listed would be decoded twice, which stays right). Once a step: every layer decodes the same pages."""
+    def build():
+        n_pages = [-(-n // page_size) for n in meta.seq_lens_cpu]
+        used = [meta.block_tables[s, :n] for s, n in enumerate(n_pages)]
+        page_ids = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=device)
+        tables = torch.zeros_like(meta.block_tables)
+        offset = 0
+        for s, n in enumerate(n_pages):
+            tables[s, :n] = torch.arange(offset, offset + n, dtype=tables.dtype, device=device)
+            offset += n
+        page_start = torch.cat([torch.arange(n, device=device) * page_size for n in n_pages]) if n_pages else page_ids
+        return page_ids, tables, page_start
+
+    return meta.step_value(f"decoded page layout {page_size}", build)
+
+
 def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: TurboPages, k_kind: str,
                                  v_kind: str, meta: AttentionMetadata, scale: float,
                                  key_offset: KeyOffset | None = None, fast: bool | None = None,
                                  page_dtype: torch.dtype | None = None,
-                                 recent: tuple[RecentWindow, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                                 exact: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """Any batch (prefill, chunked prefill, decode, mixed): decode only the referenced pages, then attend.
 
-    ``recent``: (the recent window as the step found it, the step's own rows: recent.recent_values of its k and
-    v); each query then reads its last W positions exactly (recent.py), fast path only.
-
+    ``exact``: the recent window's rows of the step and W (exact_rows.exact_rows_triton); each query then reads its
+    last W positions from them (dense_attention.paged_prefill), fast path only.
     ``key_offset``: what the K pages lost before quantizing (key_offset.py); each decoded key gets
     o(p) of its position p (= its block-table index * page_size + its row) back.
     ``fast`` picks the dense Triton attention over pages decoded to ``page_dtype`` (default q's
     dtype), by default when ``use_triton(q)``; tests force it on CPU. The reference decodes to float32.
     """
     page_size = k_pages.codes.shape[2]
-    n_pages = [-(-n // page_size) for n in meta.seq_lens_cpu]
-    # Each sequence's pages in table order become consecutive decoded pages of its own: no sort and no host sync
-    # (a page that two sequences listed would be decoded twice, which stays right)
-    used = [meta.block_tables[s, :n] for s, n in enumerate(n_pages)]
-    page_ids = torch.cat(used).long() if used else torch.zeros(0, dtype=torch.long, device=q.device)
-    tables = torch.zeros_like(meta.block_tables)
-    offset = 0
-    for s, n in enumerate(n_pages):
-        tables[s, :n] = torch.arange(offset, offset + n, dtype=tables.dtype, device=q.device)
-        offset += n
+    page_ids, tables, page_start = _decoded_page_layout(meta, page_size, q.device)
     head_dim = q.shape[-1]
     fast = use_triton(q) if fast is None else fast
     dtype = (page_dtype or q.dtype) if fast else torch.float32
-    page_start = None
-    if key_offset is not None:  # each decoded page's first position
-        page_start = torch.cat([torch.arange(n, device=q.device) * page_size for n in n_pages]) if n_pages else page_ids
     if fast:  # one launch each (dense_pages.py)
         k = dense_pages_triton(k_pages, page_ids, dtype, key_offset, page_start)
         v = dense_pages_triton(v_pages, page_ids, dtype)
@@ -692,15 +698,13 @@ def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: 
             positions = (page_start[:, None] + torch.arange(page_size, device=q.device)).reshape(-1)
             k = k + key_offset_at(key_offset, positions).reshape(k.shape)
         v = decoded_pages(v_pages, v_kind, page_ids, head_dim, dtype)
-    compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
-                                     meta.seq_lens_cpu, meta.query_lens_cpu)
-    if recent is not None:
+    if exact is not None:
         if not fast:
             raise ValueError("the reference reads the recent window through recent.attention_with_recent_reference")
-        window = recent[0]
-        exact_k, exact_v = exact_pages(k, v, tables, meta, *recent, key_offset)
         return paged_prefill(q, k, v, tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-                             exact=(exact_k, exact_v, window.size))
+                             exact=exact)
+    compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
+                                     meta.seq_lens_cpu, meta.query_lens_cpu)
     if fast:
         return dense_paged_attention(q, k, v, compact_meta, scale)
     return paged_attention_reference(q, k, v, compact_meta, scale)

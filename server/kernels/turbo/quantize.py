@@ -153,7 +153,7 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
     below cdiv(n_rows, ROWS). The store kernel's programs each walk their share of the tiles; the decode kernel
     (attention.py) quantizes its sequence's new row alone: ROWS = 1, first_tile = that row, n_rows = it + 1.
     RECENT: also write each row's rotated value before quantization, in recent_ptr's dtype, to its recent window
-    ring [rows, window, H, D] at [recent_rows[token], position % window] (recent.py)."""
+    ring [rows, window, H, D] at [recent_rows[token], position % window] (recent.py); none where that row is < 0."""
     NG: tl.constexpr = D // G
     HALF: tl.constexpr = 1 << (BITS - 1)
     G2: tl.constexpr = G // 2
@@ -217,10 +217,11 @@ def quantize_rows(x_ptr, stride_t, stride_h, slot_ptr, pos_ptr, codes_ptr, norms
         y_hi = (lo - hi) * scale_hi
         if RECENT:  # rotate(x - o(p)) exactly as the pages get it quantized, in natural column order
             p_ring = tl.load(pos_ptr + tok, mask=ok, other=0)
-            ring_row = tl.load(recent_rows_ptr + tok, mask=ok, other=0).to(tl.int64)
+            ring_row = tl.load(recent_rows_ptr + tok, mask=ok, other=-1).to(tl.int64)
             at = (((ring_row * window + p_ring % window) * H + head) * D)[:, None]
-            tl.store(recent_ptr + at + d_lo, y_lo.to(recent_ptr.dtype.element_ty), mask=ok[:, None])
-            tl.store(recent_ptr + at + d_hi, y_hi.to(recent_ptr.dtype.element_ty), mask=ok[:, None])
+            ring_ok = (ok & (ring_row >= 0))[:, None]  # a negative row: a token the ring does not keep
+            tl.store(recent_ptr + at + d_lo, y_lo.to(recent_ptr.dtype.element_ty), mask=ring_ok)
+            tl.store(recent_ptr + at + d_hi, y_hi.to(recent_ptr.dtype.element_ty), mask=ring_ok)
         # idx = HALF + j above the middle midpoint (0), HALF - 1 - j below it; a zero group (y == 0,
         # every a >= 0 * mid so j = HALF - 1) compares below +inf and gets (HALF - 1) ^ (HALF - 1) = 0.
         zero = tl.where(n > 0, 0.0, float("inf"))
@@ -294,10 +295,10 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     for both. ``key_offset`` (contiguous float32 tensors, TurboKVStore.key_offset); None: the spec's plain format.
     ``key_offset_turns`` False promises o(p) = const everywhere (KeyOffset.turns): no angles computed.
     ``launch``: None takes STORE_LAUNCH.
-    ``recent`` with ``recent_rows`` [T] int32 (each token's ring row): every stored token also writes what its
-    pages quantize, unquantized (rotate(k - o(p)), rotate(v) in the ring's dtype), at index p % W of its ring row
-    (recent.py). For decode steps: tokens of one row must not share p % W (a long chunk's would race; its
-    ring rows go through recent.write_recent).
+    ``recent`` with ``recent_rows`` [T] int32 (each token's ring row, or -1): every stored token with a row also
+    writes what its pages quantize, unquantized (rotate(k - o(p)), rotate(v) in the ring's dtype), at index p % W
+    of its ring row (recent.py). Tokens of one row must not share p % W (they would race): a chunk gives rows
+    only to its last W tokens (recent.ring_rows_of_last_tokens).
     """
     launch = launch or STORE_LAUNCH
     num_tokens, heads, head_dim = k.shape

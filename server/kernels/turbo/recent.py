@@ -16,8 +16,9 @@ values, so a decode kernel reads it in the rotated domain it already works in.
 
 Write order: a decode step writes its token before attending (it overwrites position t - W, which
 its own query no longer reads exactly). A prefill chunk first reads the ring as the step found it,
-for the W - 1 positions before the chunk, and writes its last W tokens after attending; otherwise a
-long chunk would overwrite positions its first queries still read.
+for the W - 1 positions before the chunk, and only then writes its last W tokens (exact_rows.py reads,
+then the store writes; the reference attends, then write_recent); otherwise a long chunk would
+overwrite positions its first queries still read.
 """
 
 from __future__ import annotations
@@ -75,25 +76,31 @@ def _on_device(parts: list[list[torch.Tensor]], device: torch.device) -> list[to
     return list(flat.split([sum(map(len, pieces)) for pieces in parts]))
 
 
-def written_tokens(meta: AttentionMetadata, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of q, their ring slots row * W + p % W) of the tokens a step leaves in the ring: each sequence's
-    last W positions of this step (earlier ones of a long chunk would be overwritten by later ones)."""
-    tokens, positions, seqs = [], [], []
-    for s, (start, seq_len, q_len) in enumerate(zip(_query_starts(meta), meta.seq_lens_cpu, meta.query_lens_cpu)):
-        p = torch.arange(max(seq_len - q_len, seq_len - size), seq_len)
-        tokens.append(start + p - (seq_len - q_len))
-        positions.append(p)
-        seqs.append(torch.full_like(p, s))
-    tokens, positions, seqs = _on_device([tokens, positions, seqs], meta.query_start_loc.device)
-    return tokens, meta.recent_rows[seqs].long() * size + positions % size  # ring rows read where they live
+def ring_rows_of_last_tokens(meta: AttentionMetadata, size: int) -> torch.Tensor:
+    """int32 [T]: each of the step's tokens among its sequence's last W positions gets its sequence's ring row
+    (meta.recent_rows), the others -1: the earlier tokens of a long chunk would share ring slots with its later
+    ones. Built once a step (the store takes it for every layer)."""
+    def build() -> torch.Tensor:
+        q_lens = torch.tensor(meta.query_lens_cpu)
+        seqs = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+        index_in_seq = torch.arange(len(seqs)) - (q_lens.cumsum(0) - q_lens)[seqs]
+        keep = (index_in_seq >= (q_lens - size)[seqs]).long()
+        seqs, keep = _on_device([[seqs], [keep]], meta.query_start_loc.device)
+        return torch.where(keep.bool(), meta.recent_rows[seqs], -1).to(torch.int32)
+
+    return meta.step_value(f"ring rows of the last {size} tokens", build)
 
 
-def write_recent(recent: RecentWindow, k_rows: torch.Tensor, v_rows: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the step's ring rows (recent_values of its k and v, [T, kv_heads, D]) for its last W positions."""
-    tokens, slots = written_tokens(meta, recent.size)
+def write_recent(recent: RecentWindow, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+    """Store the step's ring rows (recent_values of its k and v at ``positions``, [T, kv_heads, D]) for its last W
+    positions: the reference body of what the store kernel does with ring_rows_of_last_tokens."""
+    rows = ring_rows_of_last_tokens(meta, recent.size)
+    keep = rows >= 0
+    slots = rows[keep].long() * recent.size + positions[keep] % recent.size
     flat = (-1, *recent.k.shape[2:])
-    recent.k.view(flat).index_copy_(0, slots, k_rows[tokens].to(recent.k.dtype))
-    recent.v.view(flat).index_copy_(0, slots, v_rows[tokens].to(recent.v.dtype))
+    recent.k.view(flat).index_copy_(0, slots, k_rows[keep].to(recent.k.dtype))
+    recent.v.view(flat).index_copy_(0, slots, v_rows[keep].to(recent.v.dtype))
 
 
 def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: str, v_kind: str,
@@ -145,39 +152,3 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             + torch.einsum("hqk,khd->qhd", probs * ~near, heads(v_quant))
         ).to(q.dtype)
     return out
-
-
-def exact_pages(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, meta: AttentionMetadata, recent: RecentWindow,
-                step_k_rows: torch.Tensor, step_v_rows: torch.Tensor,
-                key_offset: KeyOffset | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages shaped as the decoded pages k, v [pages, page_size, kv_heads, D] (original domain, keys with o(p) back
-    when ``key_offset`` is given; addressed through ``tables``, meta's sequences) holding the exact values at every
-    position a query of this step reads exactly: [first query - W + 1, seq_len) of each sequence, from the ring
-    as the step found it before the chunk and from the step's rows (recent_values) in it. The other rows are
-    zero: the dense prefill (dense_attention.paged_prefill ``exact``) reads them only where its mask drops them,
-    so they need only be finite."""
-    page_size, size, device = k.shape[1], recent.size, k.device
-    ring_pos, ring_seqs, step_pos, step_seqs, step_tokens = [], [], [], [], []
-    for s, (start, seq_len, q_len) in enumerate(zip(_query_starts(meta), meta.seq_lens_cpu, meta.query_lens_cpu)):
-        first = seq_len - q_len
-        before = torch.arange(max(0, first - size + 1) if q_len else first, first)
-        ring_pos.append(before)
-        ring_seqs.append(torch.full_like(before, s))
-        step_pos.append(torch.arange(first, seq_len))
-        step_seqs.append(torch.full((q_len,), s))
-        step_tokens.append(torch.arange(start, start + q_len))
-    positions, seqs, step_tokens = _on_device([ring_pos + step_pos, ring_seqs + step_seqs, step_tokens], device)
-    slots = tables[seqs, positions // page_size].long() * page_size + positions % page_size
-    n_ring = sum(map(len, ring_pos))
-    ring_slots = meta.recent_rows[seqs[:n_ring]].long() * size + positions[:n_ring] % size
-    group = group_size(k.shape[-1])
-    out = []
-    for pages, ring, rows in ((k, recent.k, step_k_rows), (v, recent.v, step_v_rows)):
-        flat_ring = ring.view(-1, *ring.shape[2:])
-        values = rotate(torch.cat([flat_ring[ring_slots], rows[step_tokens]]).float(), group, inverse=True)
-        if pages is k and key_offset is not None:
-            values = values + key_offset_at(key_offset, positions)
-        exact = torch.zeros_like(pages)
-        exact.view(-1, *pages.shape[2:])[slots] = values.to(pages.dtype)
-        out.append(exact)
-    return out[0], out[1]

@@ -34,7 +34,14 @@ from server.kernels.turbo.codebook import codebook
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo
-from server.kernels.turbo.recent import RecentWindow, attention_with_recent_reference, recent_values, write_recent
+from server.kernels.turbo.exact_rows import exact_rows_triton
+from server.kernels.turbo.recent import (
+    RecentWindow,
+    attention_with_recent_reference,
+    recent_values,
+    ring_rows_of_last_tokens,
+    write_recent,
+)
 
 # The decode takes the CUDA C kernel for calls with at least this much work ((sequence, KV head) rows times the
 # planned context), the Triton kernel below it: there the CUDA kernel's fixed costs (per CTA the query's rotation
@@ -115,8 +122,9 @@ class TurboKVStore:
             self._store(new)
 
     def _store(self, new: NewTokens, recent_rows: torch.Tensor | None = None) -> None:
-        """Quantize a write into its pages; with ``recent_rows`` (a decode step's: token t is sequence t's) the
-        same launch also puts its rows into the recent window."""
+        """Quantize a write into its pages; with ``recent_rows`` (each token's ring row or -1: a decode step's
+        meta.recent_rows, a chunk's recent.ring_rows_of_last_tokens) the same launch also puts its rows into the
+        recent window."""
         if use_triton(new.k):
             recent = {} if recent_rows is None else {"recent": self.recent, "recent_rows": recent_rows}
             store_turbo(new.k, new.v, new.slot_mapping, new.positions, self._k, self._v, self.signs, self.inv_sqrt,
@@ -240,16 +248,18 @@ class TurboKVStore:
     def _attend_with_window(self, q: torch.Tensor, meta: AttentionMetadata, scale: float,
                             key_offset: KeyOffset | None, step: NewTokens) -> torch.Tensor:
         """Prefill (or a reference decode) with a recent window: the ring as the step found it, the step's own rows
-        beside it; the ring is written after."""
+        beside it; the ring is written after it is read."""
+        if use_triton(q):  # exact rows first (they read the ring), then pages and ring in one store launch
+            exact = exact_rows_triton(step.k, step.v, self.recent, meta, step.key_offset, step.key_offset_turns,
+                                      self.out_dtype)
+            self._store(step, ring_rows_of_last_tokens(meta, self.recent.size))
+            return attention_over_decoded_pages(q, self._k, self._v, self.k_kind, self.v_kind, meta, scale, key_offset,
+                                                page_dtype=self.out_dtype, exact=(*exact, self.recent.size))
         self._store(step)
         dtype = self.recent.k.dtype
         k_rows = recent_values(step.k, step.positions, step.key_offset, dtype)
         v_rows = recent_values(step.v, step.positions, None, dtype)
-        if use_triton(q):
-            out = attention_over_decoded_pages(q, self._k, self._v, self.k_kind, self.v_kind, meta, scale, key_offset,
-                                               page_dtype=self.out_dtype, recent=(self.recent, k_rows, v_rows))
-        else:
-            out = attention_with_recent_reference(q, self._k, self._v, self.k_kind, self.v_kind, self.recent, k_rows,
-                                                  v_rows, meta, scale, key_offset)
-        write_recent(self.recent, k_rows, v_rows, meta)
+        out = attention_with_recent_reference(q, self._k, self._v, self.k_kind, self.v_kind, self.recent, k_rows,
+                                              v_rows, meta, scale, key_offset)
+        write_recent(self.recent, k_rows, v_rows, step.positions, meta)
         return out

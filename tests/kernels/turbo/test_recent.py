@@ -167,10 +167,12 @@ def test_attend_without_the_steps_write_or_rows_is_refused():
 
 
 @pytest.mark.parametrize("key_offset", [False, True])
-def test_the_dense_prefill_over_decoded_and_exact_pages_matches_the_reference(key_offset):
-    """The GPU's prefill path (attention_over_decoded_pages with the window: dense_attention's two-source prefill)
-    run through the Triton interpreter, against the reference, on a batch of a prefill chunk beside a decode row."""
+def test_the_dense_prefill_over_decoded_pages_and_exact_rows_matches_the_reference(key_offset):
+    """The GPU's prefill path (exact_rows.py, then attention_over_decoded_pages with them: dense_attention's
+    two-source prefill) run through the Triton interpreter, against the reference, on a batch of a prefill chunk
+    beside a decode row."""
     from server.kernels.turbo.attention import attention_over_decoded_pages
+    from server.kernels.turbo.exact_rows import exact_rows_triton
     from server.kernels.turbo.recent import attention_with_recent_reference, recent_values
 
     torch.manual_seed(4)
@@ -205,24 +207,33 @@ def test_the_dense_prefill_over_decoded_and_exact_pages_matches_the_reference(ke
     v_rows = recent_values(vs, pos, None, torch.float32)
     added = store.key_offset if store.offset_turns else None
     assert key_offset == (added is not None)
+    exact = exact_rows_triton(ks, vs, store.recent, meta, store.key_offset, store.offset_turns, torch.float32)
     fast = attention_over_decoded_pages(qs, store.k, store.v, "turbo3", "turbo3", meta, 0.125, added, fast=True,
-                                        page_dtype=torch.float32, recent=(store.recent, k_rows, v_rows))  # fmt: skip
+                                        page_dtype=torch.float32, exact=(*exact, window))  # fmt: skip
     want = attention_with_recent_reference(qs, store.k, store.v, "turbo3", "turbo3", store.recent, k_rows, v_rows,
                                            meta, 0.125, added)  # fmt: skip
     torch.testing.assert_close(fast, want, rtol=0, atol=2e-4)
 
 
 def test_a_long_chunk_writes_only_its_last_w_tokens_each_to_its_own_slot():
-    from server.kernels.turbo.recent import written_tokens
+    from server.kernels.turbo.recent import RecentWindow, ring_rows_of_last_tokens, write_recent
 
     lengths, q_lens, rows, window = [20, 7, 3], [12, 1, 3], [2, 0, 1], 5
     meta = AttentionMetadata(torch.zeros(16, dtype=torch.long), torch.zeros(3, 5, dtype=torch.int32),
                              torch.tensor(lengths, dtype=torch.int32), torch.tensor([0, 12, 13, 16], dtype=torch.int32),
                              lengths, q_lens, recent_rows=torch.tensor(rows, dtype=torch.int32))  # fmt: skip
-    tokens, slots = written_tokens(meta, window)
-    # Sequence 0: positions 15..19 are q rows 7..11; sequence 1: position 6 is row 12; sequence 2: 0..2 are 13..15.
-    assert tokens.tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15]
-    assert slots.tolist() == [2 * 5 + p % 5 for p in range(15, 20)] + [0 * 5 + 6 % 5] + [1 * 5 + p for p in range(3)]
+    # Sequence 0: positions 15..19 are q rows 7..11 (row 2); sequence 1: position 6 is row 12 (row 0); sequence 2:
+    # positions 0..2 are rows 13..15 (row 1).
+    assert ring_rows_of_last_tokens(meta, window).tolist() == [-1] * 7 + [2] * 5 + [0] + [1] * 3
+    positions = torch.cat([torch.arange(8, 20), torch.tensor([6]), torch.arange(3)])
+    ring = RecentWindow.empty(3, window, 1, 4, torch.float32, "cpu")
+    values = positions.float()[:, None, None].expand(16, 1, 4)  # each token's row holds its position
+    write_recent(ring, values, -values, positions, meta)
+    expected = torch.full((3, window), 0.0)
+    for row, p in [(2, p) for p in range(15, 20)] + [(0, 6)] + [(1, p) for p in range(3)]:
+        expected[row, p % window] = p
+    assert ring.k[..., 0, 0].tolist() == expected.tolist()
+    assert ring.v[..., 0, 0].tolist() == (-expected).tolist()
 
 
 def test_a_decode_step_on_the_fast_path_stores_pages_and_window_in_one_launch_before_the_kernel(monkeypatch):

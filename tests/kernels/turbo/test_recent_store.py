@@ -3,8 +3,8 @@
 A decode step's tokens (one per sequence, at any position, a padding token with slot -1 among them) are stored
 twice, with and without the ring: the pages must be bit-identical, ring row recent_rows[t] at index p % W must hold
 rotate(k - o(p)) (rotate(v) for values) as recent.recent_values and a float64 oracle (the spec's rotation matrix,
-test_key_offset's complex RoPE) compute it, and every other ring entry, the padding token's included, must keep
-the sentinel it started with.
+test_key_offset's complex RoPE) compute it, and every other ring entry, the padding token's and a token's without
+a ring row (-1) included, must keep the sentinel it started with.
 """
 
 import pytest
@@ -20,6 +20,7 @@ from turbo_oracle import rotation_matrix64
 
 POSITIONS = [0, 1, 4, 5, 16, 17, 299, 37]  # position 0 (the sink), page and window boundaries
 PADDING = 3  # the token that is a padding row: slot -1
+NO_RING = 5  # a token the ring does not keep (ring row -1, as a long chunk's earlier tokens): its pages only
 
 
 def rotated64(x, head_dim):
@@ -37,6 +38,7 @@ def step_tokens(kv_heads, head_dim, window, ring_dtype, gen):
     slots = torch.randperm(4 * PAGE, generator=gen)[:num]
     slots[PADDING] = -1
     rows = torch.randperm(num + 2, generator=gen)[:num].to(torch.int32)
+    rows[NO_RING] = -1
     recent = RecentWindow.empty(num + 2, window, kv_heads, head_dim, ring_dtype, "cpu")
     recent.k.fill_(1234.0)
     recent.v.fill_(-1234.0)
@@ -69,7 +71,7 @@ def test_store_writes_the_rotated_rows_to_the_ring_and_the_same_pages(head_dim, 
             assert torch.equal(getattr(getattr(plain, name), part), getattr(getattr(ringed, name), part)), \
                 f"{name} {part}: the ring must not change what the pages get"
 
-    written = slots >= 0
+    written = (slots >= 0) & (rows >= 0)
     row_of, index_of = rows[written].long(), positions[written] % window
     keys = k[written].double() - (0.0 if offset is None else offset64(offset, positions[written]))
     for name, x, oracle, exact in (
