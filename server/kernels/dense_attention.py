@@ -14,7 +14,7 @@ Same meaning as ``paged_kv.paged_attention_reference`` (read that first); three 
 - ``paged_prefill``: a varlen chunk of queries per sequence attending causally to the
   cached prefix plus itself (whole prompts, chunked prefill, and mixed steps). Optionally
   with a recent window (server/kernels/turbo/recent.py): keys within W of the query come
-  from a second, exact page array; only the few key tiles the window's edge crosses read both.
+  from each sequence's exact rows; only the few key tiles the window's edge crosses read both.
 
 Softmax runs in float32 in the log2 domain (exp2 is one instruction); tiles multiply in
 the pages' dtype. bf16 is converted before arithmetic, so the CPU interpreter is exact
@@ -242,11 +242,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if RECENT:
         # Key j is near for query t when j > t - window: one pass over the far pages' keys, one over the
-        # sequence's exact rows; the online softmax merges them as it merges tiles. The far pass ends at near_start, where
-        # every key is near for the block's last query (end - 1), so for all; the near pass starts at far_end,
-        # before which every key is far for its first query. Only the tiles between, two or three, are read
-        # twice. A query can see no key in a whole tile of a pass, so the running max starts finite:
-        # exp2(-inf - -inf) would be NaN (the plain kernel's first tile always shows key 0).
+        # sequence's exact rows; the online softmax merges them as it merges tiles. The far pass ends at
+        # near_start, where every key is near for the block's last query (end - 1), so for all; the near pass
+        # starts at far_end, before which every key is far for its first query. Only the tiles between, two or
+        # three, are read twice. A query can see no key in a whole tile of a pass, so the running max starts
+        # finite: exp2(-inf - -inf) would be NaN (the plain kernel's first tile always shows key 0).
         m = tl.full([BLOCK_M], -1.0e30, tl.float32)
         first_q = seq_len - q_len + block_m * BLOCK_M
         far_end = tl.minimum(tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N, end)
@@ -378,9 +378,9 @@ def _check_near_rows(k_pages: torch.Tensor, exact, num_seqs: int, max_query_len:
         )
     rows = max_query_len + window - 1
     for name, near in (("K", k_near), ("V", v_near)):
-        if (near.dim() != 4 or near.shape[0] != num_seqs or near.shape[1] < rows or near.shape[2:] != k_pages.shape[2:]
-                or near.dtype != k_pages.dtype or near.stride()[1:] != k_pages.stride()[1:]
-                or near.stride() != k_near.stride()):
+        if (near.dim() != 4 or near.shape[0] != num_seqs or near.shape[1] < rows
+                or near.shape[2:] != k_pages.shape[2:] or near.dtype != k_pages.dtype
+                or near.stride()[1:] != k_pages.stride()[1:] or near.stride() != k_near.stride()):
             raise ValueError(
                 f"exact {name} rows {tuple(near.shape)} {near.dtype} strides {near.stride()} must be [{num_seqs} "
                 f"sequences, >= {rows} rows (max_query_len + W - 1), {k_pages.shape[2]} KV heads, {k_pages.shape[3]}] "
@@ -398,8 +398,8 @@ def _prefill_launches(block_d: int, window: bool) -> list[dict]:
     d128, docs/BENCHMARKS.md): 128 x 64 tiles, 8 warps, 3 stages, registers capped at 128 took d128's plain kernel
     from 5.21 to 3.03 ms; d64's from 3.14 to 2.19. The windowed kernel (two passes, ~190 registers uncapped) spills
     more under the cap: its exact rows read as [sequence, row] arrays, it took 4.50 ms in 3 stages, 3.38 in 2
-    (3.17 / 3.50 when it read them through the block tables; 7.05 ms before the sweep). The cap matters with 8
-    warps (4 warps at 128 registers ran 3-4x slower). The d128 tiles take 98.5 KB of shared memory in 3 stages:
+    (3.17 / 3.50 when it read them through the block tables; 7.05 ms before the sweep). Uncapped, 8 warps ran
+    1.3x slower; capped, 4 warps about 3x. The d128 tiles take 98.5 KB of shared memory in 3 stages:
     a GPU with less falls back to the earlier 64 x 64 tiles in two stages (82 KB). 256 needs 32-row tiles to hold
     [BLOCK, D] in registers.
     """

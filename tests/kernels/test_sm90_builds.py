@@ -1,7 +1,7 @@
 """The hot Triton kernels compile for sm_90 in the configurations the engine launches (no GPU needed): the turbo
-decode and store, the rotation, the quantized experts' decode bodies and the E8 int8 activation rows, the turbo pages' dense
-decode for prefill, the dense prefill; and the turbo decode's builds leave room in
-shared memory for the programs an SM its register cap plans for.
+decode and store, the rotation, the quantized experts' decode bodies and the E8 int8 activation rows, the turbo
+pages' dense decode for prefill, the dense prefill; and the turbo decode's builds leave room in shared memory
+for the programs an SM its register cap plans for.
 
 The CPU interpreter runs code the GPU compiler rejects (7a08627, reverted: a name rebound with another type in one
 constexpr branch compiled nowhere but passed every interpreter test), so CI also compiles these builds offline
@@ -63,8 +63,8 @@ from server.kernels import dense_attention
 prefill_sig = {name: "*bf16" for name in ("q_ptr", "k_pages_ptr", "v_pages_ptr")}
 prefill_sig |= {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "out_ptr": "*bf16",
                 "scale_log2": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                "stride_page", "stride_slot", "stride_head", "stride_bt")}, "k_near_ptr": "*bf16", "v_near_ptr": "*bf16",
-                "stride_near_seq": "i32", "window": "i32"}
+                "stride_page", "stride_slot", "stride_head", "stride_bt")}, "k_near_ptr": "*bf16",
+                "v_near_ptr": "*bf16", "stride_near_seq": "i32", "window": "i32"}
 strides = frozenset(n for n in prefill_sig if n.startswith("stride") and n != "stride_bt")  # multiples of D
 for head_dim in (64, 128):  # the embedded model's heads and the depth shape's, plain and with the recent window
     for recent in (False, True):
