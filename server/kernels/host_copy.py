@@ -14,3 +14,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_together(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype on ``device`` in one copy (concatenated, copied, split back): the per-step index
+    tensors of a prefill, where each copy costs more than its bytes."""
+    flat = to_device(torch.cat([t.reshape(-1) for t in tensors]), device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from server.kernels.backend import use_triton
+from server.kernels.host_copy import to_device_together
 
 
 @dataclass
@@ -55,6 +56,29 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens_cpu)
+
+
+def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(the rows of q that belong to sequences ``seqs``, the metadata of a step of those sequences alone, in that
+    order): a store may attend to a step's groups apart."""
+    q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.long)
+    picked = torch.tensor(seqs, dtype=torch.long)
+    starts = q_lens.cumsum(0) - q_lens
+    rows = [torch.arange(starts[s], starts[s] + q_lens[s]) for s in seqs]
+    rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    query_start = torch.cat([torch.zeros(1, dtype=torch.long), q_lens[picked].cumsum(0)])
+    rows, picked, query_start = to_device_together([rows, picked, query_start], meta.query_start_loc.device)
+    # The step's slots where the metadata carries one a row; attention never reads them (stores take theirs in write)
+    has_slots = meta.slot_mapping.shape[0] == sum(meta.query_lens_cpu)
+    return rows, AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows] if has_slots else meta.slot_mapping[:0],
+        block_tables=meta.block_tables[picked],
+        seq_lens=meta.seq_lens[picked],
+        query_start_loc=query_start.to(meta.query_start_loc.dtype),
+        seq_lens_cpu=[meta.seq_lens_cpu[s] for s in seqs],
+        query_lens_cpu=[meta.query_lens_cpu[s] for s in seqs],
+        recent_rows=None if meta.recent_rows is None else meta.recent_rows[picked],
+    )
 
 
 class KVLayerStore(Protocol):

@@ -517,6 +517,11 @@ class NewTokens:
     key_offset: KeyOffset | None
     key_offset_turns: bool
 
+    def select(self, rows: torch.Tensor) -> NewTokens:
+        """These tokens at ``rows`` only (paged_kv.select_sequences)."""
+        return NewTokens(self.k[rows], self.v[rows], self.slot_mapping[rows], self.positions[rows], self.key_offset,
+                         self.key_offset_turns)
+
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(i) for i in range(len(order)))

@@ -28,7 +28,7 @@ from itertools import accumulate
 
 import torch
 
-from server.kernels.host_copy import to_device
+from server.kernels.host_copy import to_device_together
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate, rotate_reference
 from server.kernels.turbo.format import dequantize_reference, group_size
@@ -69,13 +69,6 @@ def _query_starts(meta: AttentionMetadata) -> list[int]:
     return list(accumulate(meta.query_lens_cpu, initial=0))[:-1]
 
 
-def _on_device(parts: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
-    """Host index tensors on ``device``, each list of parts concatenated, in one copy that does not wait for the GPU
-    (host_copy.py): prefill runs this per layer."""
-    flat = to_device(torch.cat([t for pieces in parts for t in pieces]), device)
-    return list(flat.split([sum(map(len, pieces)) for pieces in parts]))
-
-
 def ring_rows_of_last_tokens(meta: AttentionMetadata, size: int) -> torch.Tensor:
     """int32 [T]: each of the step's tokens among its sequence's last W positions gets its sequence's ring row
     (meta.recent_rows), the others -1: the earlier tokens of a long chunk would share ring slots with its later
@@ -85,7 +78,7 @@ def ring_rows_of_last_tokens(meta: AttentionMetadata, size: int) -> torch.Tensor
         seqs = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
         index_in_seq = torch.arange(len(seqs)) - (q_lens.cumsum(0) - q_lens)[seqs]
         keep = (index_in_seq >= (q_lens - size)[seqs]).long()
-        seqs, keep = _on_device([[seqs], [keep]], meta.query_start_loc.device)
+        seqs, keep = to_device_together([seqs, keep], meta.query_start_loc.device)
         return torch.where(keep.bool(), meta.recent_rows[seqs], -1).to(torch.int32)
 
     return meta.step_value(f"ring rows of the last {size} tokens", build)

@@ -26,15 +26,15 @@ import os
 import torch
 
 from server.kernels.backend import use_triton
-from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.paged_kv import AttentionMetadata, select_sequences
 from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
 from server.kernels.turbo.attention import NewTokens, attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.attention_cuda import decode_attention_cuda
 from server.kernels.turbo.codebook import codebook
+from server.kernels.turbo.exact_rows import exact_rows_triton
 from server.kernels.turbo.format import RowLayout, bits_per_value, group_size, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, pair_mask
 from server.kernels.turbo.quantize import TurboPages, store_turbo
-from server.kernels.turbo.exact_rows import exact_rows_triton
 from server.kernels.turbo.recent import (
     RecentWindow,
     attention_with_recent_reference,
@@ -218,6 +218,8 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
+        if 1 in meta.query_lens_cpu and not meta.is_decode_only:
+            return self._attend_mixed(q, meta, scale)
         key_offset = self.key_offset if self.offset_turns else None
         step = self._step_of_window(meta) if self.recent is not None else None
         if use_triton(q) and meta.is_decode_only:
@@ -235,6 +237,25 @@ class TurboKVStore:
             return self._attend_with_window(q, meta, scale, key_offset, step)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)
+
+    def _attend_mixed(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A step of decode rows beside longer chunks: each group through its own path. Taken together, the chunks'
+        path would decode every page of the decode rows' contexts back to dense pages too (every running sequence's
+        whole cache, each layer). The groups' sequences, and so their pages and window rows, are disjoint."""
+        groups = meta.step_value("decode rows apart", lambda: [
+            select_sequences(meta, [s for s, n in enumerate(meta.query_lens_cpu) if (n == 1) == decode])
+            for decode in (False, True)])  # fmt: skip
+        step, self._pending = self._pending, None  # the step's write, if attend is to store it: split with it
+        if step is not None and step.k.shape[0] != q.shape[0]:  # an earlier step's: it lands first, whole
+            self._pending = step
+            self._flush()
+            step = None
+        out = torch.empty_like(q)
+        for rows, group in groups:
+            if any(group.query_lens_cpu):  # a group of idle sequences alone has nothing to attend
+                self._pending = None if step is None else step.select(rows)
+                out[rows] = self.attend(q[rows], group, scale)
+        return out
 
     def _step_of_window(self, meta: AttentionMetadata) -> NewTokens:
         """The step's pending write, which a store with a recent window keeps for attend (recent.py says when the

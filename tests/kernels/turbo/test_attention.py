@@ -180,6 +180,21 @@ def test_prefill_and_chunked_prefill_match_float64(head_dim, gqa):
     assert_close(store.attend(q, meta, 0.1), want, 1e-5, "prefill vs float64")
 
 
+def test_a_mixed_step_attends_its_decode_rows_apart_from_its_chunks(monkeypatch):
+    # Taken together, the chunks' path would decode every page of the decode rows' contexts too.
+    from server.kernels.turbo import store as store_module
+
+    store, meta, q = scenario([5, 40, 17, 1000], [5, 23, 1, 2], 2, 2, 64, "turbo4", "turbo3", seed=5)
+    seen = []
+    original = store_module.attention_over_decoded_pages
+    monkeypatch.setattr(store_module, "attention_over_decoded_pages",
+                        lambda q, k, v, kk, vk, meta, *a, **kw: seen.append(meta.seq_lens_cpu)
+                        or original(q, k, v, kk, vk, meta, *a, **kw))  # fmt: skip
+    got = store.attend(q, meta, 0.1)
+    assert seen == [[5, 40, 1000], [17]]  # the CPU's decode rows take the same function, on their own
+    assert_close(got, oracle(q, store, meta, 0.1), 1e-5, "mixed step, groups apart, vs float64")
+
+
 def test_prefill_through_the_dense_triton_kernel_matches_float64():
     """The GPU body of the prefill path (dense varlen Triton attention over decoded pages), interpreted."""
     store, meta, q = scenario([5, 40, 17, 33], [5, 23, 1, 2], 2, 4, 64, "turbo3", "turbo4", seed=6)
