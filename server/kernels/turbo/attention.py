@@ -56,7 +56,7 @@ from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows, look
 from server.kernels.turbo.dense_pages import dense_pages_triton
 from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
-from server.kernels.turbo.quantize import TurboPages, quantize_rows, recent_arguments
+from server.kernels.turbo.quantize import TurboPages, offset_arguments, offset_mode, quantize_rows, recent_arguments
 from server.kernels.turbo.recent import RecentWindow
 from server.kernels.turbo.sincos import sincos
 
@@ -626,12 +626,12 @@ def decode_attention_triton(q: torch.Tensor, k_pages: TurboPages, v_pages: Turbo
             meta.block_tables.stride(0), k_pages.codes, k_pages.norms, k_pages.polynomial,
             lookup_table(k_pages.bits, group, q.device), v_pages.codes, v_pages.norms, v_pages.polynomial,
             lookup_table(v_pages.bits, group, q.device), signs[0], signs[1], inv_sqrt,
-            scale * LOG2E, *((part_m,) * 4 if offset is None else  # never read without OFFSET or STORE_OFFSET
-                             (offset.const, offset.mean, offset.sink, offset.inv_freq)),
+            scale * LOG2E, *offset_arguments(offset, part_m),
             meta.seq_lens if key_offset is None else key_offset.pairs,  # never read without OFFSET
             part_acc, part_m, part_l, num_splits, *new, *ring, OFFSET=key_offset is not None, P=pairs,
-            PP=padded_pairs, STORE=new_tokens is not None, STORE_OFFSET="none" if store_offset is None else
-            ("turned" if new_tokens.key_offset_turns else "fixed"), RECENT=recent is not None,
+            PP=padded_pairs, STORE=new_tokens is not None,
+            STORE_OFFSET=offset_mode(store_offset, store_offset is not None and new_tokens.key_offset_turns),
+            RECENT=recent is not None,
             PAGE_SIZE=page_size, K_BITS=k_pages.bits, V_BITS=v_pages.bits, BLOCK=block_n,
             K_ORDER=column_order.get((k_pages.bits, head_dim), ()), V_ORDER=column_order.get((v_pages.bits, head_dim), ()),
             V_UNDO=_inverse(column_order.get((v_pages.bits, head_dim), ())),

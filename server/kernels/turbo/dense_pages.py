@@ -24,7 +24,7 @@ from server.kernels.timing import timed
 from server.kernels.turbo.codes import centroid_by_polynomial, decode_rows
 from server.kernels.turbo.format import group_size
 from server.kernels.turbo.key_offset import KeyOffset
-from server.kernels.turbo.quantize import TurboPages, offset_values
+from server.kernels.turbo.quantize import TurboPages, offset_arguments, offset_values
 from server.kernels.turbo.sincos import sincos
 
 VALUES_PER_PROGRAM = 4096
@@ -74,13 +74,11 @@ def dense_pages_triton(pages: TurboPages, page_ids: torch.Tensor, dtype: torch.d
         raise ValueError("a key offset needs page_start: each listed page's first position")
     rows = max(1, VALUES_PER_PROGRAM // head_dim)
     device = pages.codes.device
-    unused = pages.centroids  # any float32 pointer for the offset arguments: never read without OFFSET
-    offset = ((unused,) * 4 if key_offset is None else
-              (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq))
     with timed("turbo_dense_pages", device):
         _dense_pages_kernel[(triton.cdiv(n_rows, rows),)](
             pages.codes, pages.norms, pages.polynomial, page_ids, page_ids if page_start is None else page_start, out,
-            device_sign_words(SIGNS1, device), device_sign_words(SIGNS2, device), inv_sqrt_group(group), *offset,
+            device_sign_words(SIGNS1, device), device_sign_words(SIGNS2, device), inv_sqrt_group(group),
+            *offset_arguments(key_offset, pages.centroids),
             n_rows, H=heads, PAGE_SIZE=page_size, ROWS=rows, D=head_dim, G=group, LOG2_G=group.bit_length() - 1,
             BITS=pages.bits, OFFSET=key_offset is not None, ASM=inline_ptx(device),
         )

@@ -26,7 +26,7 @@ from server.kernels.rotation import SIGNS1, SIGNS2, device_sign_words, inv_sqrt_
 from server.kernels.timing import timed
 from server.kernels.turbo.format import group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
-from server.kernels.turbo.quantize import offset_values
+from server.kernels.turbo.quantize import offset_arguments, offset_mode, offset_values
 from server.kernels.turbo.recent import RecentWindow
 from server.kernels.turbo.sincos import sincos
 
@@ -116,16 +116,13 @@ def exact_rows_triton(k: torch.Tensor, v: torch.Tensor, recent: RecentWindow, me
         raise ValueError("exact rows need meta.recent_rows: each sequence's row of the recent window")
     group = group_size(head_dim)
     rows = max(1, VALUES_PER_PROGRAM // head_dim)
-    unused = recent.k  # any pointer for the offset arguments: never read without an offset
-    offset = ((unused,) * 4 if key_offset is None else
-              (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq))
-    mode = "none" if key_offset is None else ("turned" if key_offset_turns else "fixed")
     with timed("turbo_exact_rows", k.device):
         _exact_rows_kernel[(triton.cdiv(n_rows * heads, rows), num_seqs, 2)](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), recent.k, recent.v, meta.recent_rows,
             meta.seq_lens, meta.query_start_loc, out_k, out_v, out_k.stride(0), size, n_rows,
-            device_sign_words(SIGNS1, k.device), device_sign_words(SIGNS2, k.device), inv_sqrt_group(group), *offset,
-            H=heads, D=head_dim, G=group, LOG2_G=group.bit_length() - 1, ROWS=rows, K_OFFSET=mode,
+            device_sign_words(SIGNS1, k.device), device_sign_words(SIGNS2, k.device), inv_sqrt_group(group),
+            *offset_arguments(key_offset, recent.k), H=heads, D=head_dim, G=group, LOG2_G=group.bit_length() - 1,
+            ROWS=rows, K_OFFSET=offset_mode(key_offset, key_offset_turns),
             ASM=inline_ptx(k.device),
         )
     return out_k, out_v

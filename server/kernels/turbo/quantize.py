@@ -266,6 +266,19 @@ def _store_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, 
                       V_BITS, "none", STAGES, ASM, RECENT)
 
 
+def offset_arguments(key_offset: KeyOffset | None, unused: torch.Tensor) -> tuple:
+    """A kernel's const, mean, sink and inv_freq pointers for o(p) (offset_values); ``unused``, any tensor on the
+    kernel's device, stands in for each where there is no offset (never read then)."""
+    if key_offset is None:
+        return (unused,) * 4
+    return key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq
+
+
+def offset_mode(key_offset: KeyOffset | None, turns: bool) -> str:
+    """K_OFFSET of quantize_rows and the kernels that share its offsets: "none", "fixed" (o = const) or "turned"."""
+    return "none" if key_offset is None else ("turned" if turns else "fixed")
+
+
 def recent_arguments(recent: RecentWindow | None, rows: torch.Tensor | None, rows_name: str, tokens: int,
                      kv_heads: int, head_dim: int, f32: torch.Tensor, i32: torch.Tensor) -> tuple:
     """A kernel's arguments recent_k_ptr, recent_v_ptr, recent_rows_ptr, window for the recent window (recent.py)
@@ -318,18 +331,16 @@ def store_turbo_triton(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     programs = min(tiles, most)
     options = {} if launch.max_registers is None else {"maxnreg": launch.max_registers}
     options.update(pdl.launch_options(k.device) if launch.pdl else {"USE_PDL": False})
-    unused = k_pages.centroids  # any float32 pointer for the offset arguments: never read without K_OFFSET
-    offset = ((unused,) * 4 if key_offset is None else
-              (key_offset.const, key_offset.mean, key_offset.sink, key_offset.inv_freq))
     with timed("turbo_store", k.device):
         _store_kernel[(programs, 2)](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slot_mapping, positions,
-            k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids, *offset,
+            k_pages.codes, k_pages.norms, k_pages.midpoints, k_pages.centroids,
+            *offset_arguments(key_offset, k_pages.centroids),
             v_pages.codes, v_pages.norms, v_pages.midpoints, v_pages.centroids,
             signs[0], signs[1], inv_sqrt, n_rows, *ring,
             H=heads, PAGE_SIZE=k_pages.codes.shape[2], ROWS=rows, D=head_dim, G=group,
             LOG2_G=group.bit_length() - 1, K_BITS=k_pages.bits, V_BITS=v_pages.bits,
-            K_OFFSET="none" if key_offset is None else ("turned" if key_offset_turns else "fixed"),
+            K_OFFSET=offset_mode(key_offset, key_offset_turns),
             STAGES=launch.stages,
             ASM=inline_ptx(k.device), RECENT=recent is not None, num_warps=launch.num_warps, **options,
         )

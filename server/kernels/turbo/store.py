@@ -218,7 +218,7 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
-        if 1 in meta.query_lens_cpu and not meta.is_decode_only:
+        if not meta.is_decode_only and 1 in meta.query_lens_cpu:
             return self._attend_mixed(q, meta, scale)
         key_offset = self.key_offset if self.offset_turns else None
         step = self._step_of_window(meta) if self.recent is not None else None
@@ -252,9 +252,8 @@ class TurboKVStore:
             step = None
         out = torch.empty_like(q)
         for rows, group in groups:
-            if any(group.query_lens_cpu):  # a group of idle sequences alone has nothing to attend
-                self._pending = None if step is None else step.select(rows)
-                out[rows] = self.attend(q[rows], group, scale)
+            self._pending = None if step is None else step.select(rows)
+            out[rows] = self.attend(q[rows], group, scale)
         return out
 
     def _step_of_window(self, meta: AttentionMetadata) -> NewTokens:
