@@ -186,14 +186,14 @@ WINDOW_CASES = [(70, 70), (130, 66), (9, 0), (200, 1), (41, 23)]
 
 def exact_rows(k_pages, meta, window, seed):
     """Exact K and V rows unlike the far pages, [sequences, max_query_len + W - 1, kv_heads, D] as paged_prefill
-    takes them; rows past each sequence's last position hold large values, which the kernel must neither use nor
-    turn into NaN."""
+    takes them. Rows past each sequence's last position hold NaN: the kernel must not load them, nor read before a
+    sequence's first row (the previous sequence's last ones), since P·V would carry a NaN even where p is 0."""
     gen = torch.Generator().manual_seed(seed)
     shape = (len(meta.seq_lens_cpu), meta.max_query_len + window - 1, *k_pages.shape[2:])
     k_near, v_near = (torch.randn(shape, generator=gen).to(k_pages.dtype) for _ in range(2))
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         used = seq_len - max(0, seq_len - q_len - window + 1)
-        k_near[s, used:], v_near[s, used:] = 300.0, -300.0
+        k_near[s, used:], v_near[s, used:] = float("nan"), float("nan")
     return k_near, v_near
 
 
