@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -34,11 +33,9 @@ from triton.runtime.errors import OutOfResources
 
 from server.kernels import pdl
 from server.kernels.backend import multiprocessors
+from server.kernels.paged_kv import AttentionMetadata, decode_rows_apart
 from server.kernels.pdl import gdc_launch_dependents, gdc_wait
 from server.kernels.timing import timed
-
-if TYPE_CHECKING:  # paged_kv imports this module lazily; a runtime import would be circular
-    from server.kernels.paged_kv import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -466,9 +463,15 @@ def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Fast body of ``paged_attention_reference``: decode kernel for decode-only steps, else varlen."""
+    """Fast body of ``paged_attention_reference``: decode kernel for decode-only steps, varlen prefill for chunks;
+    a step of both takes each group through its kernel (paged_kv.decode_rows_apart)."""
     if meta.is_decode_only and q.shape[0] == len(meta.seq_lens_cpu):
         splits = choose_num_splits(q.shape[0], k_pages.shape[2], meta.max_seq_len, q.device)
         return paged_decode(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, scale, splits)
+    if 1 in meta.query_lens_cpu:
+        out = torch.empty_like(q)
+        for rows, group in decode_rows_apart(meta):
+            out[rows] = paged_attention(q[rows], k_pages, v_pages, group, scale)
+        return out
     return paged_prefill(q, k_pages, v_pages, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                          meta.max_query_len, scale)

@@ -81,6 +81,15 @@ def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Te
     )
 
 
+def decode_rows_apart(meta: AttentionMetadata) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    """[(rows, step)] of a mixed step's chunks, then of its decode rows (one query each): attention takes each group
+    through its own kernel, since a prefill kernel spends a whole query tile, and no split of the context, on a
+    decode row. Built once a step."""
+    return meta.step_value("decode rows apart", lambda: [
+        select_sequences(meta, [s for s, n in enumerate(meta.query_lens_cpu) if (n == 1) == decode])
+        for decode in (False, True)])  # fmt: skip
+
+
 class KVLayerStore(Protocol):
     """What the model's attention layer sees of the KV cache."""
 

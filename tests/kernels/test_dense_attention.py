@@ -156,6 +156,21 @@ def test_prefill_mixed_batch_matches_reference_and_oracle(dtype):
     assert_close(fast, expected, tolerance(dtype), "Triton prefill vs float64 oracle")
 
 
+def test_a_mixed_step_takes_its_decode_rows_through_the_decode_kernel(monkeypatch):
+    # The prefill kernel would spend a 128-query tile, and no split of the context, on each decode row.
+    from server.kernels import dense_attention
+
+    seen = []
+    for name in ("paged_decode", "paged_prefill"):
+        kernel = getattr(dense_attention, name)
+        monkeypatch.setattr(dense_attention, name, lambda q, k, v, tables, seq_lens, *a, _name=name, _kernel=kernel:
+                            seen.append((_name, seq_lens.tolist())) or _kernel(q, k, v, tables, seq_lens, *a))
+    q, k_pages, v_pages, meta = make_batch([700, 40, 17, 90], [1, 23, 1, 70], 8, 2, 64, torch.float32, seed=4)
+    got = paged_attention(q, k_pages, v_pages, meta, 0.125)
+    assert seen == [("paged_prefill", [40, 90]), ("paged_decode", [700, 17])]
+    assert_close(got, oracle(q, k_pages, v_pages, meta, 0.125), 1e-5, "mixed step, groups apart, vs float64")
+
+
 @pytest.mark.parametrize("head_dim,group", [(128, 1), (256, 2)])
 def test_prefill_large_heads(head_dim, group):
     q, k_pages, v_pages, meta = make_batch([20, 35], [20, 3], 2 * group, 2, head_dim, torch.float16, seed=4)

@@ -26,7 +26,7 @@ import os
 import torch
 
 from server.kernels.backend import use_triton
-from server.kernels.paged_kv import AttentionMetadata, select_sequences
+from server.kernels.paged_kv import AttentionMetadata, decode_rows_apart
 from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
 from server.kernels.turbo.attention import NewTokens, attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.attention_cuda import decode_attention_cuda
@@ -242,16 +242,13 @@ class TurboKVStore:
         """A step of decode rows beside longer chunks: each group through its own path. Taken together, the chunks'
         path would decode every page of the decode rows' contexts back to dense pages too (every running sequence's
         whole cache, each layer). The groups' sequences, and so their pages and window rows, are disjoint."""
-        groups = meta.step_value("decode rows apart", lambda: [
-            select_sequences(meta, [s for s, n in enumerate(meta.query_lens_cpu) if (n == 1) == decode])
-            for decode in (False, True)])  # fmt: skip
         step, self._pending = self._pending, None  # the step's write, if attend is to store it: split with it
         if step is not None and step.k.shape[0] != q.shape[0]:  # an earlier step's: it lands first, whole
             self._pending = step
             self._flush()
             step = None
         out = torch.empty_like(q)
-        for rows, group in groups:
+        for rows, group in decode_rows_apart(meta):
             self._pending = None if step is None else step.select(rows)
             out[rows] = self.attend(q[rows], group, scale)
         return out
