@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import threading
 import time
@@ -315,6 +316,89 @@ def bench_depths(args, device: torch.device, lines: list[str]) -> None:
                 print(lines[-1], flush=True)
 
 
+ARRIVALS = 6  # prompts arriving one after another under the same load; the first compiles the chunks' kernels
+
+
+def arrivals_under_load(engine: Engine, batch: int, depth: int, arrival_len: int, vocab: int) -> dict:
+    """B greedy requests decode at ``depth`` while prompts of ``arrival_len`` tokens arrive one at a time: each
+    prompt's chunks run in mixed steps beside their decode rows. Per timed arrival: its time to first token, and
+    the running requests' longest wait for a token and their tokens/s from its arrival to its first token; the
+    medians over the arrivals after the first."""
+    tag = time.monotonic_ns()
+    stamps: dict[str, list[float]] = {f"run-{i}-{tag}": [] for i in range(batch)}
+    first_token = {f"arrival-{k}-{tag}": threading.Event() for k in range(ARRIVALS)}
+    finished: set[str] = set()
+    all_finished = threading.Event()
+    errors: list[str] = []
+
+    def on_output(out) -> None:
+        if out.request_id in stamps:
+            stamps[out.request_id].extend([time.perf_counter()] * len(out.token_ids))
+        elif out.token_ids:
+            first_token[out.request_id].set()
+        if out.finished:
+            finished.add(out.request_id)
+            if len(finished) == batch + ARRIVALS:
+                all_finished.set()
+        if out.finish_reason == "error" or (out.finish_reason == "length" and out.request_id in stamps):
+            errors.append(f"{out.request_id}: {out.finish_reason} {out.error}")
+
+    running = SamplingParams(max_tokens=engine.config.max_model_len - depth, temperature=0.0, ignore_eos=True)
+    for rid, prompt in zip(stamps, random_prompts(batch, depth, vocab, seed=7)):
+        engine.submit(rid, prompt, running, on_output)
+    deadline = time.perf_counter() + 600
+    while min(len(t) for t in stamps.values()) < 8 and time.perf_counter() < deadline:  # all decoding, graphs warm
+        time.sleep(0.01)
+    windows = []
+    for k, (rid, event) in enumerate(first_token.items()):
+        start = time.perf_counter()
+        engine.submit(rid, random_prompts(1, arrival_len, vocab, seed=8 + k)[0],
+                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), on_output)  # fmt: skip
+        if not event.wait(timeout=600) or errors:
+            break
+        windows.append((start, time.perf_counter()))
+        time.sleep(0.05)  # a few decode-only steps between arrivals
+    for rid in stamps:
+        engine.abort(rid)
+    all_finished.wait(timeout=60)
+    if len(windows) < ARRIVALS or errors:
+        raise RuntimeError(f"arrivals under load: {'; '.join(errors[:3]) or 'an arrival had no first token in 600 s'}")
+    per_arrival = []
+    for start, first in windows[1:]:
+        waits, tokens = [], 0
+        for times in stamps.values():
+            inside = [t for t in times if start < t <= first]
+            before = [t for t in times if t <= start][-1:]
+            waits += [b - a for a, b in zip(before + inside, inside + [first])]
+            tokens += len(inside)
+        per_arrival.append((first - start, max(waits), tokens / (first - start)))
+    return dict(zip(("ttft", "longest_wait", "tok_s"), (statistics.median(c) for c in zip(*per_arrival))))
+
+
+def bench_arrivals(args, device: torch.device, lines: list[str]) -> None:
+    """--arrivals B@D+L on the depth-2048 shape, per KV cache dtype."""
+    name = "depth-2048" if device.type == "cuda" else "tiny"
+    cfg = SHAPES[name]
+    loaded = build_random_model(cfg, device, args.dtype)
+    running, arrival_len = args.arrivals.split("+")
+    batch, depth = map(int, running.split("@"))
+    arrival_len = int(arrival_len)
+    max_len = max(depth, arrival_len) + 512
+    for kv_dtype in args.kv_cache_dtype:
+        engine = make_engine(loaded, batch + 1, max_len, kv_dtype, batch * max_len + arrival_len, args.depth_chunk,
+                             args.async_scheduling, args.kv_key_offset[0], args.kv_recent_window[0])  # fmt: skip
+        try:
+            r = arrivals_under_load(engine, batch, depth, arrival_len, cfg.vocab_size)
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+        lines.append(f"| {name} | {arrival_len}-token prompts arriving at b{batch} @ {depth} ({kv_dtype}) | first "
+                     f"token after {r['ttft']:.3f} s; running requests: longest wait {r['longest_wait'] * 1e3:.0f} "
+                     f"ms, {r['tok_s']:,.0f} tok/s meanwhile (medians) | - | - | |")  # fmt: skip
+        print(lines[-1], flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="smollm2-135m,llama3-8b", help=f"comma list of {', '.join(SHAPES)}")
@@ -329,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="depth rows: the engine's max_num_batched_tokens, the prefill chunk (the engine's default is 2048)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="depth rows: the engine's max_model_len (its decode graphs plan for it; default depth + 33)")
+    p.add_argument("--arrivals", default="", help="B@D+L, e.g. 32@8192+8192: B requests decode at depth D when a "
+                   "prompt of L tokens arrives (mixed steps), per --kv-cache-dtype, in chunks of --depth-chunk")
     p.add_argument("--kv-cache-dtype", default="bf16", type=lambda s: s.split(","), help="e.g. bf16,turbo4,turbo3")
     p.add_argument("--kv-key-offset", default=DEFAULT_KV_KEY_OFFSET, type=lambda s: s.split(","),
                    help="turbo K offsets to compare, e.g. partial,fixed,turned (the engine's default pair count)")
@@ -367,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += shape_rows(name, ours[name], hf[name], args, copy_gbs)
     if args.context_depth:
         bench_depths(args, device, lines)
+    if args.arrivals:
+        bench_arrivals(args, device, lines)
     dtype_name = str(args.dtype).removeprefix("torch.")
     block = (
         f"{dated_heading(f'Engine throughput, random {dtype_name} weights')}\n\n"
@@ -378,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f"- Depth rows: batch 1, one prompt of the given depth, {DEPTH_NEW_TOKENS} greedy tokens timed after the "
            f"first; its prefill row: the prompt's tokens over the time to its first token (chunks of "
            f"{args.depth_chunk} tokens).\n" if args.context_depth else "")
+        + (f"- Arrival rows: prompts arrive one at a time while the running requests decode; medians over "
+           f"{ARRIVALS - 1} arrivals (after one that compiles) of the prompt's time to first token (chunks of "
+           f"{args.depth_chunk} tokens), the running requests' longest wait between two tokens, and their tokens/s "
+           f"meanwhile.\n" if args.arrivals else "")
         + f"- Async scheduling {'on' if args.async_scheduling else 'off (--no-async-scheduling)'}.\n"
         + (f"- One-row skinny-matmul configurations (N, K, fused) -> (BLOCK_N, BLOCK_K, STAGES) from "
            f"{args.gemv_configs.name}: {gemv.MEASURED_M1}\n" if args.gemv_configs else "")
