@@ -58,16 +58,21 @@ class AttentionMetadata:
         return all(n == 1 for n in self.query_lens_cpu)
 
 
-def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor | slice, AttentionMetadata]:
     """(the rows of q that belong to sequences ``seqs``, the metadata of a step of those sequences alone, in that
-    order): a store may attend to a step's groups apart."""
+    order): a store may attend to a step's groups apart. Consecutive sequences (the scheduler puts a step's decode
+    rows first) give their rows as a slice, so that taking them launches nothing."""
     q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.long)
     picked = torch.tensor(seqs, dtype=torch.long)
     starts = q_lens.cumsum(0) - q_lens
-    rows = [torch.arange(starts[s], starts[s] + q_lens[s]) for s in seqs]
-    rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
     query_start = torch.cat([torch.zeros(1, dtype=torch.long), q_lens[picked].cumsum(0)])
-    rows, picked, query_start = to_device_together([rows, picked, query_start], meta.query_start_loc.device)
+    if all(b == a + 1 for a, b in zip(seqs, seqs[1:])):
+        first = int(starts[seqs[0]]) if seqs else 0
+        rows = slice(first, first + int(query_start[-1]))
+        picked, query_start = to_device_together([picked, query_start], meta.query_start_loc.device)
+    else:
+        rows = torch.cat([torch.arange(starts[s], starts[s] + q_lens[s]) for s in seqs])
+        rows, picked, query_start = to_device_together([rows, picked, query_start], meta.query_start_loc.device)
     # The step's slots where the metadata carries one a row; attention never reads them (stores take theirs in write)
     has_slots = meta.slot_mapping.shape[0] == sum(meta.query_lens_cpu)
     return rows, AttentionMetadata(
@@ -81,7 +86,7 @@ def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Te
     )
 
 
-def decode_rows_apart(meta: AttentionMetadata) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+def decode_rows_apart(meta: AttentionMetadata) -> list[tuple[torch.Tensor | slice, AttentionMetadata]]:
     """[(rows, step)] of a mixed step's chunks, then of its decode rows (one query each): attention takes each group
     through its own kernel, since a prefill kernel spends a whole query tile, and no split of the context, on a
     decode row. Built once a step."""

@@ -35,6 +35,16 @@ def test_select_sequences_gives_their_rows_and_a_step_of_them_alone_in_the_order
     assert none.query_lens_cpu == [] and none.query_start_loc.tolist() == [0]
 
 
+def test_consecutive_sequences_give_their_rows_as_a_slice():
+    # A view of q instead of a gather: a mixed step's groups (decode rows first) cost no launch a layer.
+    meta = mixed_step()
+    rows, sub = select_sequences(meta, [1, 2, 3])
+    assert rows == slice(3, 6)
+    assert sub.slot_mapping.tolist() == [7, 90, 91] and sub.query_start_loc.tolist() == [0, 1, 1, 3]
+    assert sub.block_tables.tolist() == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert select_sequences(meta, [2])[0] == slice(4, 4)
+
+
 def test_metadata_for_attention_alone_keeps_no_slots():
     meta = mixed_step()
     meta.slot_mapping = meta.slot_mapping[:2]  # not one a row: attention never reads them

@@ -517,7 +517,7 @@ class NewTokens:
     key_offset: KeyOffset | None
     key_offset_turns: bool
 
-    def select(self, rows: torch.Tensor) -> NewTokens:
+    def select(self, rows: torch.Tensor | slice) -> NewTokens:
         """These tokens at ``rows`` only (paged_kv.select_sequences)."""
         return NewTokens(self.k[rows], self.v[rows], self.slot_mapping[rows], self.positions[rows], self.key_offset,
                          self.key_offset_turns)
