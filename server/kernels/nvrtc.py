@@ -13,9 +13,11 @@ and the caller takes that path.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import struct
 from typing import Any
 
 import torch
@@ -34,9 +36,9 @@ def cuda_kernels_enabled(device: torch.device) -> bool:
 def cuda_kernel(source: str, name: str, device: torch.device, options: tuple[str, ...] = ()) -> Any | None:
     """The compiled ``extern "C"`` kernel ``name`` of ``source`` for ``device``, or None where CUDA C cannot run.
 
-    The result is called as ``kernel(grid=(x, y, z), block=(x, y, z), args=[...], shared_mem=bytes)``;
-    tensors pass as pointers, Python ints as 32-bit ints and Python floats as doubles. ``options``: extra
-    NVRTC flags (e.g. "--use_fast_math").
+    The result is called as ``kernel(grid=(x, y, z), block=(x, y, z), args=[...])``; tensors pass as pointers,
+    Python ints as 32-bit ints and Python floats as doubles. ``options``: extra NVRTC flags (e.g.
+    "--use_fast_math").
     """
     if not cuda_kernels_enabled(device):
         return None
@@ -47,8 +49,53 @@ def cuda_kernel(source: str, name: str, device: torch.device, options: tuple[str
 @functools.cache
 def _compile(source: str, name: str, capability: str, options: tuple[str, ...]) -> Any | None:
     try:
-        return torch.cuda._compile_kernel(source, name, compute_capability=capability, nvcc_options=list(options))
+        return Kernel(torch.cuda._compile_kernel(source, name, compute_capability=capability,
+                                                 nvcc_options=list(options)))
     except Exception as error:  # NVRTC absent or the source refused: the caller's other path serves
         log.warning("CUDA C kernel %s unavailable on sm_%s (%s); using the Triton path", name, capability,
                     str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
+
+
+class Kernel:
+    """A compiled kernel, launched with its arguments packed into one buffer. torch's own launcher makes a ctypes
+    object, a reference and a cast per argument, most of the 133 us of host time a turbo decode call took on the
+    H200's host (40 arguments; docs/BENCHMARKS.md "Mixed steps"), which an eager step (prefill, decode rows
+    beside a chunk) pays on every layer."""
+
+    def __init__(self, compiled: Any):
+        self.func = compiled.func
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
+        _, params = pack_arguments(args)  # the buffer lives until the launch has copied the values
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        result = _driver().cuLaunchKernel(self.func, *grid, *block, 0, stream, params, None)
+        if result != 0:
+            raise RuntimeError(f"cuLaunchKernel failed: CUresult {result}")
+
+
+def pack_arguments(args: list) -> tuple[ctypes.Array, ctypes.Array]:
+    """(buffer, kernelParams) for cuLaunchKernel: the arguments packed with C alignment (tensors as their data
+    pointers, ints as int32, floats as double), and a pointer to each."""
+    kinds = "".join(_KIND.get(type(a)) or ("P" if isinstance(a, torch.Tensor) else _unsupported(a)) for a in args)
+    values = [a.data_ptr() if kind == "P" else a for a, kind in zip(args, kinds)]
+    buffer = ctypes.create_string_buffer(struct.pack("@" + kinds, *values))
+    base = ctypes.addressof(buffer)
+    return buffer, (ctypes.c_void_p * len(args))(*(base + offset for offset in _offsets(kinds)))
+
+
+_KIND = {int: "i", bool: "i", float: "d"}
+
+
+def _unsupported(arg: Any) -> str:
+    raise TypeError(f"a CUDA C kernel takes tensors, ints and floats, got {type(arg).__name__}")
+
+
+@functools.cache
+def _offsets(kinds: str) -> tuple[int, ...]:
+    return tuple(struct.calcsize("@" + kinds[: i + 1]) - struct.calcsize(kind) for i, kind in enumerate(kinds))
+
+
+@functools.cache
+def _driver() -> Any:
+    return torch.cuda._utils._get_gpu_runtime_library()

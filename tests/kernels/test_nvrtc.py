@@ -1,5 +1,10 @@
-"""nvrtc.cuda_kernels_enabled: where a CUDA C kernel may run, so every other place takes its Triton/torch path."""
+"""nvrtc.cuda_kernels_enabled: where a CUDA C kernel may run, so every other place takes its Triton/torch path;
+pack_arguments: what cuLaunchKernel reads for each argument (the launch itself runs in the GPU tests of every CUDA C
+kernel)."""
 
+import ctypes
+
+import pytest
 import torch
 
 from server.kernels import nvrtc
@@ -29,3 +34,23 @@ def test_a_source_nvrtc_refuses_gives_none_not_an_error(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "_compile_kernel", refuse)
     assert nvrtc._compile("broken", "k", "90", ()) is None
+
+
+def test_packed_arguments_read_back_as_the_kernel_sees_them():
+    # Mixed sizes put ints before pointers and doubles: each must sit at its C-aligned offset.
+    t, u = torch.zeros(3), torch.ones(5, dtype=torch.int32)
+    args = [7, t, -3, 2.5, True, u, 2**31 - 1, -0.125]
+    buffer, params = nvrtc.pack_arguments(args)
+    as_c = {int: ctypes.c_int32, bool: ctypes.c_int32, float: ctypes.c_double}
+    for arg, param in zip(args, params):
+        if isinstance(arg, torch.Tensor):
+            assert ctypes.c_void_p.from_address(param).value == arg.data_ptr()
+        else:
+            assert param % ctypes.sizeof(as_c[type(arg)]) == 0, "misaligned argument"
+            assert as_c[type(arg)].from_address(param).value == arg
+    assert len(params) == len(args) and ctypes.sizeof(buffer) >= 8 * 4 + 4 * 4
+
+
+def test_an_argument_of_another_type_is_refused_by_name():
+    with pytest.raises(TypeError, match="got str"):
+        nvrtc.pack_arguments([torch.zeros(1), "3"])
