@@ -218,30 +218,37 @@ class TurboKVStore:
         if q.dim() != 3 or q.shape[-1] != self.head_dim or q.shape[1] % self.num_kv_heads:
             raise ValueError(f"q must be [tokens, a multiple of {self.num_kv_heads} heads, {self.head_dim}], "
                              f"got {tuple(q.shape)}")
-        if not meta.is_decode_only and 1 in meta.query_lens_cpu:
+        window_fast = self.recent is not None and use_triton(q)  # it takes mixed steps apart itself, one store
+        if not meta.is_decode_only and 1 in meta.query_lens_cpu and not window_fast:
             return self._attend_mixed(q, meta, scale)
         key_offset = self.key_offset if self.offset_turns else None
         step = self._step_of_window(meta) if self.recent is not None else None
         if use_triton(q) and meta.is_decode_only:
             if step is not None:
                 self._store(step, meta.recent_rows)  # the token's pages and window row first: the kernels read both
-            if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:  # where it runs (supports)
-                out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset,
-                                            recent=self.recent)
-                if out is not None:
-                    return out
-            new_tokens = self._fusable(q, meta)  # self._k / _v below: their pending token is the kernel's to store
-            return decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
-                                           new_tokens=new_tokens, recent=self.recent)
+            return self._decode(q, meta, scale, key_offset)
         if step is not None:
             return self._attend_with_window(q, meta, scale, key_offset, step)
         return attention_over_decoded_pages(q, self.k, self.v, self.k_kind, self.v_kind, meta, scale, key_offset,
                                             page_dtype=self.out_dtype)
 
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, scale: float, key_offset: KeyOffset | None
+                ) -> torch.Tensor:  # fmt: skip
+        """One query a sequence, through the decode kernels (fast path)."""
+        if q.shape[0] * self.num_kv_heads * meta.max_seq_len >= CUDA_DECODE_MIN_WORK:  # where it runs (supports)
+            out = decode_attention_cuda(q, self.k, self.v, meta, scale, self.signs, self.inv_sqrt, key_offset,
+                                        recent=self.recent)
+            if out is not None:
+                return out
+        new_tokens = self._fusable(q, meta)  # self._k / _v below: their pending token is the kernel's to store
+        return decode_attention_triton(q, self._k, self._v, meta, scale, self.signs, self.inv_sqrt, key_offset,
+                                       new_tokens=new_tokens, recent=self.recent)
+
     def _attend_mixed(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A step of decode rows beside longer chunks: each group through its own path. Taken together, the chunks'
-        path would decode every page of the decode rows' contexts back to dense pages too (every running sequence's
-        whole cache, each layer). The groups' sequences, and so their pages and window rows, are disjoint."""
+        """A step of decode rows beside longer chunks, without a recent window or on the reference path: each group
+        through its own path. Taken together, the chunks' path would decode every page of the decode rows' contexts
+        back to dense pages too (every running sequence's whole cache, each layer). The groups' sequences, and so
+        their pages and window rows, are disjoint."""
         step, self._pending = self._pending, None  # the step's write, if attend is to store it: split with it
         if step is not None and step.k.shape[0] != q.shape[0]:  # an earlier step's: it lands first, whole
             self._pending = step
@@ -264,14 +271,24 @@ class TurboKVStore:
 
     def _attend_with_window(self, q: torch.Tensor, meta: AttentionMetadata, scale: float,
                             key_offset: KeyOffset | None, step: NewTokens) -> torch.Tensor:
-        """Prefill (or a reference decode) with a recent window: the ring as the step found it, the step's own rows
-        beside it; the ring is written after it is read."""
-        if use_triton(q):  # exact rows first (they read the ring), then pages and ring in one store launch
-            exact = exact_rows_triton(step.k, step.v, self.recent, meta, step.key_offset, step.key_offset_turns,
-                                      self.out_dtype)
+        """Prefill, a mixed step or a reference decode with a recent window: the ring as the step found it, the
+        step's own rows beside it; the ring is written after it is read."""
+        if use_triton(q):
+            # One store launch for the whole step, pages and ring: after the chunks' exact rows read the ring, before
+            # the decode kernels read it (with a mixed step's decode rows, paged_kv.decode_rows_apart).
+            split = 1 in meta.query_lens_cpu
+            (rows, chunks), (decode_rows, decodes) = decode_rows_apart(meta) if split else ((slice(None), meta),) * 2
+            exact = exact_rows_triton(step.k[rows], step.v[rows], self.recent, chunks, step.key_offset,
+                                      step.key_offset_turns, self.out_dtype)
             self._store(step, ring_rows_of_last_tokens(meta, self.recent.size))
-            return attention_over_decoded_pages(q, self._k, self._v, self.k_kind, self.v_kind, meta, scale, key_offset,
-                                                page_dtype=self.out_dtype, exact=(*exact, self.recent.size))
+            out = attention_over_decoded_pages(q[rows], self._k, self._v, self.k_kind, self.v_kind, chunks, scale,
+                                               key_offset, page_dtype=self.out_dtype, exact=(*exact, self.recent.size))
+            if not split:
+                return out
+            mixed = torch.empty_like(q)
+            mixed[rows] = out
+            mixed[decode_rows] = self._decode(q[decode_rows], decodes, scale, key_offset)
+            return mixed
         self._store(step)
         dtype = self.recent.k.dtype
         k_rows = recent_values(step.k, step.positions, step.key_offset, dtype)

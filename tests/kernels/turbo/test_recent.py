@@ -258,3 +258,32 @@ def test_a_decode_step_on_the_fast_path_stores_pages_and_window_in_one_launch_be
     assert calls[0][1]["recent"] is store.recent and calls[0][1]["recent_rows"] is meta.recent_rows
     assert calls[1][1]["recent"] is store.recent
     assert calls[2][1]["recent"] is store.recent and calls[2][1]["new_tokens"] is None
+
+
+def test_a_mixed_step_on_the_fast_path_stores_once_between_the_exact_rows_and_the_decode(monkeypatch):
+    """A chunk beside a decode row, the kernels replaced by recorders: the chunk's exact rows read the ring as the
+    step found it, then one store launch takes the whole step (pages, and the ring rows of each sequence's last
+    tokens), then the chunk attends over its pages and the decode row goes to the decode kernel; each output lands
+    in its own rows."""
+    from server.kernels.turbo import store as store_module
+
+    calls = []
+    monkeypatch.setattr(store_module, "use_triton", lambda t: True)
+    monkeypatch.setattr(store_module, "exact_rows_triton", lambda k, v, recent, meta, *a: calls.append(
+        ("exact", k.shape[0], meta.seq_lens_cpu)) or (torch.zeros(1), torch.zeros(1)))  # fmt: skip
+    monkeypatch.setattr(store_module, "store_turbo", lambda k, *a, **kw: calls.append(
+        ("store", k.shape[0], kw["recent_rows"].tolist())))  # fmt: skip
+    monkeypatch.setattr(store_module, "attention_over_decoded_pages", lambda q, k, v, kk, vk, meta, *a, **kw: calls.append(
+        ("chunk attention", q.shape[0], meta.seq_lens_cpu)) or torch.full_like(q, 1.0))  # fmt: skip
+    monkeypatch.setattr(store_module, "decode_attention_triton", lambda q, k, v, meta, *a, **kw: calls.append(
+        ("decode", q.shape[0], meta.seq_lens_cpu)) or torch.full_like(q, 2.0))  # fmt: skip
+    store = make_store(1, 64, 4)
+    # Sequence 0 decodes its 7th token; sequence 1 prefills positions 0..4 (window 4: the last four get ring rows).
+    meta = AttentionMetadata(torch.tensor([6, 16, 17, 18, 19, 20]), torch.tensor([[0, 0], [1, 0]], dtype=torch.int32),
+                             torch.tensor([7, 5], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32),
+                             [7, 5], [1, 5], recent_rows=torch.tensor([3, 1], dtype=torch.int32))  # fmt: skip
+    store.write(torch.randn(6, 1, 64), torch.randn(6, 1, 64), meta.slot_mapping, torch.tensor([6, 0, 1, 2, 3, 4]))
+    out = store.attend(torch.randn(6, 1, 64), meta, 0.125)
+    assert calls == [("exact", 5, [5]), ("store", 6, [3, -1, 1, 1, 1, 1]), ("chunk attention", 5, [5]),
+                     ("decode", 1, [7])]  # fmt: skip
+    assert out[0].eq(2.0).all() and out[1:].eq(1.0).all()
