@@ -2,18 +2,20 @@
 with it (the path before: every sequence through the chunks' kernel). GPU only; prints, records nothing.
 
     python bench/mixed_step.py [--kv-cache-dtype bf16,turbo3] [--decode-rows 32] [--context 8192]
-                               [--chunk 2048] [--prefix 2048]
+                               [--chunk 2048] [--prefix 2048] [--profile]
 
-The engine's depth shape (16 query / 8 KV heads, d128, 16-token pages in shuffled order, random pages; turbo3
-with the default partial key offset and recent window): per KV kind and variant, the wall time of the layer's
-write + attend (host included) and the peak memory it allocates above the cache; then how far the two
-outputs are apart. Together, bf16's decode rows each take a 128-query tile of the prefill kernel and no split of
-their context; turbo3's also have every page of their context decoded back to bf16.
+The engine's depth shape (16 query / 8 KV heads, d128, 16-token pages in shuffled order, random pages; turbo with
+the default partial key offset and recent window): per KV kind and variant, the wall time of the layer's write +
+attend (host included) and the peak memory it allocates above the cache; then how far the two outputs are apart.
+--profile first splits the stores' path into its kernels (torch.profiler). Together, bf16's decode rows each take
+a 128-query tile of the prefill kernel and no split of their context; turbo's also have every page of their
+context decoded back to bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -24,50 +26,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import require_gpu  # noqa: E402
-from bench.kernels_turbo import engine_key_offset  # noqa: E402
-from server.config import DEFAULT_KV_KEY_TURNED_PAIRS, DEFAULT_KV_RECENT_WINDOW  # noqa: E402
+from bench.prefill_chunk_profile import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, ROUNDS, make_store, print_profile  # noqa: E402
 from server.kernels.dense_attention import paged_prefill  # noqa: E402
 from server.kernels.paged_kv import AttentionMetadata, DenseKVStore  # noqa: E402
+from server.kernels.turbo.attention import attention_over_decoded_pages  # noqa: E402
+from server.kernels.turbo.exact_rows import exact_rows_triton  # noqa: E402
+from server.kernels.turbo.recent import ring_rows_of_last_tokens  # noqa: E402
 from server.kernels.turbo.store import TurboKVStore  # noqa: E402
 
-PAGE, KV_HEADS, Q_HEADS, HEAD_DIM = 16, 8, 16, 128
 SCALE = HEAD_DIM**-0.5
-ROUNDS = 5
 
 
-def dense_variants(num_pages: int, device: torch.device) -> tuple[DenseKVStore, Callable]:
-    store = DenseKVStore(num_pages, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
-    store.k_pages.normal_()
-    store.v_pages.normal_()
+def together(store: DenseKVStore | TurboKVStore) -> Callable:
+    """The step's attention the way it went before: every sequence through the chunks' path."""
+    if isinstance(store, DenseKVStore):
+        return lambda q, meta, scale: paged_prefill(q, store.k_pages, store.v_pages, meta.block_tables, meta.seq_lens,
+                                                    meta.query_start_loc, meta.max_query_len, scale)  # fmt: skip
 
-    def together(q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_prefill(q, store.k_pages, store.v_pages, meta.block_tables, meta.seq_lens,
-                             meta.query_start_loc, meta.max_query_len, scale)  # fmt: skip
+    def turbo_together(q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        step, window = store._step_of_window(meta), store.recent.size
+        exact = exact_rows_triton(step.k, step.v, store.recent, meta, step.key_offset, step.key_offset_turns,
+                                  store.out_dtype)  # fmt: skip
+        store._store(step, ring_rows_of_last_tokens(meta, window))
+        return attention_over_decoded_pages(q, store._k, store._v, store.k_kind, store.v_kind, meta, scale,
+                                            store.key_offset if store.offset_turns else None,
+                                            page_dtype=store.out_dtype, exact=(*exact, window))  # fmt: skip
 
-    return store, together
-
-
-def turbo_variants(num_pages: int, num_seqs: int, device: torch.device, gen: torch.Generator
-                   ) -> tuple[TurboKVStore, Callable]:  # fmt: skip
-    store = TurboKVStore(num_pages, PAGE, KV_HEADS, HEAD_DIM, "turbo3", "turbo3", device, torch.bfloat16,
-                         recent=(num_seqs, DEFAULT_KV_RECENT_WINDOW))  # fmt: skip
-    store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, gen, 500000.0, DEFAULT_KV_KEY_TURNED_PAIRS))
-    for pages in (store.k, store.v):
-        pages.codes.random_(0, 256)
-        pages.norms.uniform_(8.0, 12.0)
-    store.recent.k.normal_()
-    store.recent.v.normal_()
-
-    def together(q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        key_offset = store.key_offset if store.offset_turns else None
-        return store._attend_with_window(q, meta, scale, key_offset, store._step_of_window(meta))
-
-    return store, together
+    return turbo_together
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kv-cache-dtype", default="bf16,turbo3", help="comma-separated: bf16, turbo3")
+    p.add_argument("--kv-cache-dtype", default="bf16,turbo3", help="comma-separated: bf16, turbo2/3/4")
+    p.add_argument("--profile", action="store_true", help="first, a torch.profiler table of the stores' path")
     p.add_argument("--decode-rows", type=int, default=32)
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=2048)
@@ -94,17 +85,16 @@ def main() -> int:
     print(f"{args.decode_rows} decode rows at {args.context} tokens beside a {args.chunk}-token chunk after "
           f"{args.prefix}, one layer:", flush=True)  # fmt: skip
     for kind in args.kv_cache_dtype.split(","):
-        if kind == "bf16":
-            store, together = dense_variants(len(order), device)
-        elif kind == "turbo3":
-            store, together = turbo_variants(len(order), len(seq_lens), device, gen)
-        else:
-            raise SystemExit(f"--kv-cache-dtype: bf16 or turbo3, got {kind!r}")
+        store = make_store(kind, len(order), device, gen, num_seqs=len(seq_lens))
+        meta = AttentionMetadata(slots, tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                 starts, seq_lens, q_lens,
+                                 recent_rows=torch.arange(len(seq_lens), dtype=torch.int32, device=device))
+        if args.profile:
+            print_profile(f"{kind}, decode rows apart", lambda: store.write(k, v, slots, positions)
+                          or store.attend(q, meta, SCALE))  # fmt: skip
         outs = {}
-        for name, attend in [("apart", store.attend), ("together", together)] * 2:
-            meta = AttentionMetadata(slots, tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                                     starts, seq_lens, q_lens,
-                                     recent_rows=torch.arange(len(seq_lens), dtype=torch.int32, device=device))
+        for name, attend in [("apart", store.attend), ("together", together(store))] * 2:
+            meta = dataclasses.replace(meta, _step_values={})  # each variant builds its own step values
             for rounds in (2, ROUNDS):  # the first compiles, and builds the step's index tensors
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

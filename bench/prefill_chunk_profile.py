@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,19 +49,43 @@ def chunk_step(prefix: int, chunk: int, device: torch.device, gen: torch.Generat
     return meta, q, k, v, positions, pages + 8
 
 
-def make_store(kind: str, num_pages: int, device: torch.device, gen: torch.Generator):
+def make_store(kind: str, num_pages: int, device: torch.device, gen: torch.Generator, num_seqs: int = 1):
+    """A store of random pages (turbo: random codes, the engine's default key offset and a random recent window)."""
     if kind == "bf16":
         store = DenseKVStore(num_pages, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
         store.k_pages.normal_()
         store.v_pages.normal_()
         return store
     store = TurboKVStore(num_pages, PAGE, KV_HEADS, HEAD_DIM, kind, kind, device, torch.bfloat16,
-                         recent=(1, DEFAULT_KV_RECENT_WINDOW))
+                         recent=(num_seqs, DEFAULT_KV_RECENT_WINDOW))
     store.set_key_offset(engine_key_offset(KV_HEADS, HEAD_DIM, device, gen, 500000.0, DEFAULT_KV_KEY_TURNED_PAIRS))
     for pages in (store.k, store.v):
         pages.codes.random_(0, 256)
         pages.norms.uniform_(8.0, 12.0)
+    store.recent.k.normal_()
+    store.recent.v.normal_()
     return store
+
+
+def print_profile(label: str, layer: Callable[[], object]) -> None:
+    """The wall time of ``layer()`` (host included), then a torch.profiler table of its device time per kernel."""
+    for _ in range(3):  # compiles
+        layer()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(ROUNDS):
+        layer()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / ROUNDS * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(ROUNDS):
+            layer()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / ROUNDS / 1e3
+    print(f"{label}, one layer: {wall:.2f} ms wall, {device_ms:.2f} ms of kernels", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60),
+          flush=True)
 
 
 def main() -> int:
@@ -79,24 +104,7 @@ def main() -> int:
             store.write(k, v, meta.slot_mapping, positions)
             return store.attend(q, meta, HEAD_DIM**-0.5)
 
-        for _ in range(3):  # compiles
-            layer()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(ROUNDS):
-            layer()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / ROUNDS * 1e3
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(ROUNDS):
-                layer()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        device_ms = sum(e.self_device_time_total for e in kernels) / ROUNDS / 1e3
-        print(f"{kind}: a {args.chunk}-token chunk ending at {args.prefix} tokens, one layer: {wall:.2f} ms wall, "
-              f"{device_ms:.2f} ms of kernels", flush=True)
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60),
-              flush=True)
+        print_profile(f"{kind}: a {args.chunk}-token chunk ending at {args.prefix} tokens", layer)
         del store
         torch.cuda.empty_cache()
     return 0
