@@ -59,9 +59,8 @@ def _compile(source: str, name: str, capability: str, options: tuple[str, ...]) 
 
 class Kernel:
     """A compiled kernel, launched with its arguments packed into one buffer. torch's own launcher makes a ctypes
-    object, a reference and a cast per argument, most of the 133 us of host time a turbo decode call took on the
-    H200's host (40 arguments; docs/BENCHMARKS.md "Mixed steps"), which an eager step (prefill, decode rows
-    beside a chunk) pays on every layer."""
+    object, a reference and a cast per argument: host time that every layer of an eager step (prefill, decode
+    rows beside a chunk) pays; under cProfile, over half of a turbo decode call's (40 arguments)."""
 
     def __init__(self, compiled: Any):
         self.func = compiled.func
