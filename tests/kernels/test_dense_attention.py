@@ -156,7 +156,11 @@ def test_prefill_mixed_batch_matches_reference_and_oracle(dtype):
     assert_close(fast, expected, tolerance(dtype), "Triton prefill vs float64 oracle")
 
 
-def test_a_mixed_step_takes_its_decode_rows_through_the_decode_kernel(monkeypatch):
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([700, 40, 17, 90], [1, 23, 1, 70]),  # groups interleaved: their rows gathered
+    ([700, 17, 40, 90], [1, 1, 23, 70]),  # decode rows first, as the scheduler orders a step: their rows as slices
+])  # fmt: skip
+def test_a_mixed_step_takes_its_decode_rows_through_the_decode_kernel(monkeypatch, seq_lens, query_lens):
     # The prefill kernel would spend a 128-query tile, and no split of the context, on each decode row.
     from server.kernels import dense_attention
 
@@ -165,7 +169,7 @@ def test_a_mixed_step_takes_its_decode_rows_through_the_decode_kernel(monkeypatc
         kernel = getattr(dense_attention, name)
         monkeypatch.setattr(dense_attention, name, lambda q, k, v, tables, seq_lens, *a, _name=name, _kernel=kernel:
                             seen.append((_name, seq_lens.tolist())) or _kernel(q, k, v, tables, seq_lens, *a))
-    q, k_pages, v_pages, meta = make_batch([700, 40, 17, 90], [1, 23, 1, 70], 8, 2, 64, torch.float32, seed=4)
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 8, 2, 64, torch.float32, seed=4)
     got = paged_attention(q, k_pages, v_pages, meta, 0.125)
     assert seen == [("paged_prefill", [40, 90]), ("paged_decode", [700, 17])]
     assert_close(got, oracle(q, k_pages, v_pages, meta, 0.125), 1e-5, "mixed step, groups apart, vs float64")
