@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from server.kernels.backend import use_triton
 from server.kernels.host_copy import to_device_together
@@ -122,7 +123,6 @@ def paged_attention_reference(
     h // (q_heads // kv_heads).
     """
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = q.shape[1] // kv_heads
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
@@ -130,17 +130,15 @@ def paged_attention_reference(
             continue
         n_pages = -(-seq_len // page_size)
         pages = meta.block_tables[s, :n_pages].long()
-        k = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:seq_len].float()
+        k = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:seq_len].float()  # [seq_len, kv_heads, D]
         v = v_pages[pages].reshape(-1, kv_heads, v_pages.shape[-1])[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, q_heads, D]
-        v = v.repeat_interleave(group, dim=1)
         qs = q[starts[s] : starts[s] + q_len].float()  # [q_len, q_heads, D]
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        # Query i sits at position seq_len - q_len + i and sees the keys up to it: a single query sees them all.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[starts[s] : starts[s] + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        causal = None if q_len == 1 else torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        heads_first = [x.transpose(0, 1)[None] for x in (qs, k, v)]  # [1, heads, tokens, D]
+        o = F.scaled_dot_product_attention(*heads_first, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[starts[s] : starts[s] + q_len] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
