@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -15,15 +14,11 @@ log = logging.getLogger(__name__)
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    from server.runtime.engine import Engine
+    from server.runtime.engine import build_engine
 
     started = time.perf_counter()
     try:
-        # Built in a thread that then exits, so that the main thread runs no parallel torch op: once it has, libgomp
-        # keeps its thread pool, and each OpenMP region of another thread (the engine loop's) costs ~70 us more
-        # (2 cores: a 576 x 576 GEMV 12 -> 77-85 us), which on CPUs took most of a decode step.
-        with ThreadPoolExecutor(max_workers=1) as builder:
-            engine = builder.submit(Engine, engine_config).result()
+        engine = build_engine(engine_config)
     except (ValueError, FileNotFoundError) as exc:  # bad flags or model path: the user can fix these
         log.error("cannot start: %s", exc)
         return 2

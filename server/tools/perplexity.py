@@ -178,11 +178,11 @@ def main(args: argparse.Namespace) -> int:
     except UnicodeDecodeError as exc:
         print(f"error: --file {path} is not UTF-8 text ({exc})", file=sys.stderr)
         return 2
-    from server.runtime.engine import Engine
+    from server.runtime.engine import build_engine
 
     config = engine_config_from_args(args)
     try:
-        engine = Engine(config)
+        engine = build_engine(config)
     except (ValueError, FileNotFoundError) as exc:  # bad flags or model path, as `serve` reports them
         print(f"error: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
-"""`turboserve serve` builds the engine in a thread of its own (server.api.server.run_server): with the main thread
-running no parallel torch op, the engine loop's CPU ops keep OpenMP's cheap path (the comment there says why)."""
+"""`turboserve serve` builds the engine in a thread of its own (runtime.engine.build_engine): with the main thread
+running no parallel torch op, the engine loop's CPU ops keep OpenMP's cheap path (its docstring says why)."""
 
 import threading
 
