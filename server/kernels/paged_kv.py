@@ -122,7 +122,8 @@ def paged_attention_reference(
     compressed store passes its pages decoded). GQA: query head h reads KV head
     h // (q_heads // kv_heads).
     """
-    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    page_size, kv_heads, head_dim = k_pages.shape[1], k_pages.shape[2], q.shape[-1]
+    group = q.shape[1] // kv_heads
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
@@ -130,15 +131,20 @@ def paged_attention_reference(
             continue
         n_pages = -(-seq_len // page_size)
         pages = meta.block_tables[s, :n_pages].long()
-        k = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:seq_len].float()  # [seq_len, kv_heads, D]
-        v = v_pages[pages].reshape(-1, kv_heads, v_pages.shape[-1])[:seq_len].float()
-        qs = q[starts[s] : starts[s] + q_len].float()  # [q_len, q_heads, D]
+        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].float()  # [seq_len, kv_heads, D]
+        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].float()
+        # GQA: a KV head's query heads stacked as rows of one query, [kv_heads, group * q_len, D] (row g * q_len + i:
+        # query i of head kv * group + g)
+        qs = q[starts[s] : starts[s] + q_len].float().reshape(q_len, kv_heads, group, head_dim)
+        qs = qs.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)
         # Query i sits at position seq_len - q_len + i and sees the keys up to it: a single query sees them all.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        causal = None if q_len == 1 else torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        heads_first = [x.transpose(0, 1)[None] for x in (qs, k, v)]  # [1, heads, tokens, D]
-        o = F.scaled_dot_product_attention(*heads_first, attn_mask=causal, scale=scale, enable_gqa=True)
-        out[starts[s] : starts[s] + q_len] = o[0].transpose(0, 1).to(q.dtype)
+        causal = None
+        if q_len > 1:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            causal = (torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]).repeat(group, 1)
+        o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal, scale=scale)
+        o = o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, kv_heads * group, head_dim)
+        out[starts[s] : starts[s] + q_len] = o.to(q.dtype)
     return out
 
 
