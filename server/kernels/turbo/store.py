@@ -276,15 +276,18 @@ class TurboKVStore:
         if use_triton(q):
             # One store launch for the whole step, pages and ring: after the chunks' exact rows read the ring, before
             # the decode kernels read it (with a mixed step's decode rows, paged_kv.decode_rows_apart).
-            split = 1 in meta.query_lens_cpu
-            (rows, chunks), (decode_rows, decodes) = decode_rows_apart(meta) if split else ((slice(None), meta),) * 2
+            if 1 in meta.query_lens_cpu:
+                (rows, chunks), decode_group = decode_rows_apart(meta)
+            else:
+                (rows, chunks), decode_group = (slice(None), meta), None
             exact = exact_rows_triton(step.k[rows], step.v[rows], self.recent, chunks, step.key_offset,
                                       step.key_offset_turns, self.out_dtype)
             self._store(step, ring_rows_of_last_tokens(meta, self.recent.size))
             out = attention_over_decoded_pages(q[rows], self._k, self._v, self.k_kind, self.v_kind, chunks, scale,
                                                key_offset, page_dtype=self.out_dtype, exact=(*exact, self.recent.size))
-            if not split:
+            if decode_group is None:
                 return out
+            decode_rows, decodes = decode_group
             mixed = torch.empty_like(q)
             mixed[rows] = out
             mixed[decode_rows] = self._decode(q[decode_rows], decodes, scale, key_offset)
