@@ -521,7 +521,7 @@ class Engine:
 def build_engine(config: EngineConfig) -> Engine:
     """Engine(config), built in a thread that then exits, so that the calling (main) thread runs no parallel torch
     op. Once the main thread has run an OpenMP region, libgomp keeps its pool, and every region of another thread
-    (the engine loop's) costs ~70 us more: on a 2-core CPU a 576 x 576 GEMV took 12 us from the main thread or a
-    lone thread, 77-85 us from the loop's, which was most of a CPU decode step (docs/BENCHMARKS.md, CPU serving)."""
+    (the engine loop's) costs ~60-70 us more: on a 2-core CPU a 576 x 576 GEMV took 12-14 us from the main thread
+    or a lone thread, 65-87 us from the loop's (bench/omp_threads.py), most of a CPU decode step."""
     with ThreadPoolExecutor(max_workers=1) as builder:
         return builder.submit(Engine, config).result()
