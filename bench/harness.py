@@ -93,6 +93,17 @@ def time_ms(
     return statistics.median(samples)
 
 
+def host_seconds_per_call(fn: Callable[[], object], calls: int, warmup: int = 5) -> float:
+    """Host time of one ``fn()`` call, averaged over ``calls`` after ``warmup`` (no device sync: what the calling
+    thread spends, e.g. a CPU op or building a step's inputs)."""
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
 # Cycles per second used to turn a wait into torch.cuda._sleep cycles; H200 boosts to 1.98 GHz,
 # and a slower clock only makes the wait longer, which is harmless.
 _GPU_CYCLES_PER_S = 2.0e9

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,10 +17,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import SHAPES, build_random_model, make_engine  # noqa: E402
+from bench.harness import host_seconds_per_call  # noqa: E402
 from server.runtime.scheduler import ScheduledChunk  # noqa: E402
 from server.runtime.sequence import SamplingParams, Sequence  # noqa: E402
 
-ROWS, CALLS = 32, 50
+ROWS = 32
 
 
 def decode_rows(kv_cache, context: int) -> list[ScheduledChunk]:
@@ -35,12 +35,7 @@ def decode_rows(kv_cache, context: int) -> list[ScheduledChunk]:
 
 
 def per_call_ms(fn) -> float:
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    return (time.perf_counter() - start) / CALLS * 1e3
+    return host_seconds_per_call(fn, calls=50) * 1e3
 
 
 def main() -> int:

@@ -9,21 +9,19 @@ same with one torch thread.
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
+from pathlib import Path
 
 import torch
 
-CALLS = 2000
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import host_seconds_per_call  # noqa: E402
 
 
 def per_call_us(fn) -> float:
-    for _ in range(50):
-        fn()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    return (time.perf_counter() - start) / CALLS * 1e6
+    return host_seconds_per_call(fn, calls=2000, warmup=50) * 1e6
 
 
 def measure(label: str) -> None:
