@@ -13,6 +13,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from server.config import EngineConfig
@@ -170,16 +171,19 @@ class KVCache:
             seq.block_table.append(self.free_pages.popleft())
 
     def free(self, seq: Sequence) -> None:
-        self.free_pages.extend(seq.block_table)
-        seq.block_table = []
+        self.free_pages.extend(seq.block_table.tolist())
+        seq.block_table.clear()
         if seq.recent_row is not None:
             self.free_recent_rows.append(seq.recent_row)
             seq.recent_row = None
 
     def slots(self, seq: Sequence, start: int, n: int) -> list[int]:
         """Pool slots (page * page_size + offset) of positions start .. start + n - 1."""
-        table, size = seq.block_table, self.page_size
-        return [table[p // size] * size + p % size for p in range(start, start + n)]
+        table, size = seq.block_table.array, self.page_size
+        if n == 1:  # a decode row: numpy's per-call cost would outweigh the work
+            return [int(table[start // size]) * size + start % size]
+        positions = np.arange(start, start + n)
+        return (table[positions // size].astype(np.int64) * size + positions % size).tolist()
 
     # -- capacity, for metrics and the start-up log ----------------------------------------
     @property

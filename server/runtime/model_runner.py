@@ -115,7 +115,7 @@ class ModelRunner:
             ids += [0] if chunk.ahead else seq.token_ids[start : start + n]  # ahead: the device fills it in
             positions += range(start, start + n)
             slots += self.kv_cache.slots(seq, start, n)
-            block_tables[i, : len(seq.block_table)] = seq.block_table
+            block_tables[i, : len(seq.block_table)] = seq.block_table.array
             if wants_prompt_logprobs(chunk):
                 logit_rows += range(first_row, first_row + n)
             elif chunk.samples:
@@ -130,9 +130,11 @@ class ModelRunner:
         t, s = len(batch.ids), len(batch.seq_lens)
         query_start = batch.row_starts + [t]
         # One copy for all 1-D inputs (a copy costs more than its bytes here). Plain, not pinned:
-        # the device is idle now, waiting for exactly these inputs.
-        flat = torch.tensor(batch.ids + batch.positions + batch.slots + batch.seq_lens + batch.recent_rows + query_start,
-                            dtype=torch.int64, device=self.device)  # fmt: skip
+        # the device is idle now, waiting for exactly these inputs. Through numpy: torch.tensor converts a
+        # list of ints ~3.7x slower (6,300 ints: 360 against 98 us, CPU).
+        host = np.array(batch.ids + batch.positions + batch.slots + batch.seq_lens + batch.recent_rows + query_start,
+                        dtype=np.int64)  # fmt: skip
+        flat = torch.from_numpy(host).to(self.device)
         meta = AttentionMetadata(
             slot_mapping=flat[2 * t : 3 * t],
             block_tables=torch.from_numpy(batch.block_tables).to(self.device),

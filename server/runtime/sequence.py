@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
+from server.runtime.block_table import BlockTable
+
 # The sampler works in float32: logits divided by a temperature below ~1e-37 overflow to inf (NaN
 # probabilities), so, as vLLM does, a temperature below 1e-5 samples greedily.
 GREEDY_BELOW = 1e-5
@@ -99,7 +101,7 @@ class Sequence:
         self.seed = seed
         self.on_output = on_output
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_table = BlockTable()
         self.recent_row: int | None = None  # its row of a turbo cache's recent window (kv_cache.py)
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None  # set when it ends; its final output may follow a step later

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import random
+from collections import deque
 
 import pytest
 import torch
@@ -45,8 +47,23 @@ def test_block_tables_grow_by_pages_and_free_returns_them():
     with pytest.raises(RuntimeError, match="exhausted"):
         kv.grow(a, 33)
     assert kv.slots(b, 15, 3) == [b.block_table[0] * 16 + 15, b.block_table[1] * 16, b.block_table[1] * 16 + 1]
+    assert kv.slots(b, 16, 1) == [b.block_table[1] * 16] and kv.slots(b, 127, 1) == [b.block_table[7] * 16 + 15]
     kv.free(b)
     assert b.block_table == [] and kv.num_free_pages == 8
+
+
+def test_slots_follow_a_shuffled_block_table_across_many_pages():
+    kv = pool(300 * 24_576, page_size=16)
+    seq = Sequence("s", [1], SamplingParams(), seed=0)
+    free = list(kv.free_pages)
+    random.Random(0).shuffle(free)
+    kv.free_pages = deque(free)  # as pages come free in any order under load
+    kv.grow(seq, 70 * 16 + 5)  # past the table's first growth (16 entries)
+    pages = list(seq.block_table)
+    assert len(pages) == 71 and len(set(pages)) == 71 and pages != sorted(pages)
+    assert seq.block_table.array.dtype.name == "int32" and seq.block_table.array.tolist() == pages
+    for start, n in ((0, 1), (15, 2), (3, 1000), (1100, 25)):
+        assert kv.slots(seq, start, n) == [pages[p // 16] * 16 + p % 16 for p in range(start, start + n)]
 
 
 def test_a_budget_below_one_page_is_refused_with_the_fix():
