@@ -78,6 +78,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device. Triton and the NVRTC launcher launch on the current
+    device's stream, and the current device is per thread: without this, an engine on cuda:1 would launch its
+    kernels on cuda:0's stream."""
+    if device.type == "cuda" and device.index is not None:  # plain "cuda" is every thread's default, device 0
+        torch.cuda.set_device(device)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -100,11 +108,13 @@ class Engine:
             from server.runtime.models.loader import load_model
 
             self.device = resolve_device(config.device)
+            use_device(self.device)
             dtype = resolve_dtype(config.dtype, self.device)
             loaded = load_model(config.model, self.device, dtype)
         else:  # already on its device, in its compute dtype (quantized weights may be integers)
             weight = next(p for p in loaded.model.parameters() if p.is_floating_point())
             self.device, dtype = weight.device, weight.dtype
+            use_device(self.device)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
@@ -300,6 +310,7 @@ class Engine:
 
     # -- the loop (engine thread only) ------------------------------------------------------
     def _loop(self) -> None:
+        use_device(self.device)
         while True:
             with self._cond:
                 while not (
