@@ -36,6 +36,7 @@ class HostBatch:
     block_tables: np.ndarray  # [S, widest block table of the batch] int32
     logit_rows: list[int]  # rows of the flat batch whose logits are computed
     row_starts: list[int]  # first row of each chunk
+    ahead_rows: list[int]  # rows whose token the step in flight is sampling (its id here is a placeholder 0)
 
     @property
     def is_decode_only(self) -> bool:
@@ -105,6 +106,7 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         row_starts: list[int] = []
+        ahead_rows: list[int] = []
         # As wide as this batch needs: the widest (max_model_len) would copy ~1 MB a step at long contexts.
         width = max(len(c.seq.block_table) for c in chunks)
         block_tables = np.zeros((len(chunks), width), dtype=np.int32)
@@ -112,7 +114,11 @@ class ModelRunner:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             first_row = len(ids)
             row_starts.append(first_row)
-            ids += [0] if chunk.ahead else seq.token_ids[start : start + n]  # ahead: the device fills it in
+            if chunk.ahead:
+                ahead_rows.append(first_row)
+                ids.append(0)
+            else:
+                ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += self.kv_cache.slots(seq, start, n)
             block_tables[i, : len(seq.block_table)] = seq.block_table.array
@@ -123,7 +129,8 @@ class ModelRunner:
         seq_lens = [c.start + c.num_tokens for c in chunks]
         query_lens = [c.num_tokens for c in chunks]
         recent_rows = [c.seq.recent_row or 0 for c in chunks]
-        return HostBatch(ids, positions, slots, seq_lens, query_lens, recent_rows, block_tables, logit_rows, row_starts)
+        return HostBatch(ids, positions, slots, seq_lens, query_lens, recent_rows, block_tables, logit_rows, row_starts,
+                         ahead_rows)  # fmt: skip
 
     def prepare(self, batch: HostBatch) -> StepInputs:
         """Device tensors of an eager step."""
@@ -146,18 +153,24 @@ class ModelRunner:
         )
         return StepInputs(flat[:t], flat[t : 2 * t], meta)
 
-    def forward(self, batch: HostBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: HostBatch, ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model call; decode-only steps that fit a captured size replay a CUDA graph.
-        ``device_ids`` (async scheduling) replaces the batch's token ids with ones still on the device."""
-        self.used_cuda_graph = self.graphs is not None and self.graphs.can_run(
-            len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1], max(batch.seq_lens)
-        )
+        ``ahead_ids`` (async scheduling): the token ids of ``batch.ahead_rows``, still on the device."""
+        every_row_ahead = ahead_ids is not None and len(batch.ahead_rows) == len(batch.ids)
+        self.used_cuda_graph = (
+            self.graphs is not None
+            and (ahead_ids is None or every_row_ahead)
+            and self.graphs.can_run(len(batch.ids), batch.is_decode_only, batch.block_tables.shape[1],
+                                    max(batch.seq_lens))
+        )  # fmt: skip
         if self.used_cuda_graph:
             return self.graphs.run_host(batch.ids, batch.positions, batch.slots, batch.seq_lens, batch.recent_rows,
-                                        batch.block_tables, device_ids)  # fmt: skip
+                                        batch.block_tables, ahead_ids)  # fmt: skip
         inputs = self.prepare(batch)
-        if device_ids is not None:
-            inputs.input_ids.copy_(device_ids)
+        if every_row_ahead:
+            inputs.input_ids.copy_(ahead_ids)
+        elif ahead_ids is not None:
+            inputs.input_ids[to_device(torch.tensor(batch.ahead_rows), self.device)] = ahead_ids
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache.stores, inputs.meta)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
@@ -166,10 +179,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], after: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's kernels (forward, logits, sampling) without waiting for them.
-        ``after``: the step in flight whose sampled tokens are this step's input, one per chunk in
-        order (chunks from Scheduler.schedule_ahead)."""
+        ``after``: the step in flight that samples the tokens of this step's ahead chunks (chunks
+        from Scheduler.schedule_ahead)."""
         batch = self.batch(chunks)
-        hidden = self.forward(batch, None if after is None else after.tokens)
+        hidden = self.forward(batch, None if after is None else self._ahead_ids(chunks, after))
         step = LaunchedStep(chunks, batch.row_starts)
         if not batch.logit_rows:
             return step
@@ -188,7 +201,8 @@ class ModelRunner:
                 step.sample_logits = step.logits
             seqs = [chunks[i].seq for i in step.sampling]
             with timed("sampling", self.device):
-                tensors = SamplingTensors.from_sequences(seqs, step.logits.shape[1], self.device, after is not None)
+                ahead = [chunks[i].ahead for i in step.sampling]
+                tensors = SamplingTensors.from_sequences(seqs, step.logits.shape[1], self.device, ahead)
                 step.tokens = sample(step.sample_logits, tensors)
             if self.device.type == "cuda":
                 step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
@@ -196,6 +210,14 @@ class ModelRunner:
                 step.tokens_copied = torch.cuda.Event()
                 step.tokens_copied.record()
         return step
+
+    def _ahead_ids(self, chunks: list[ScheduledChunk], after: LaunchedStep) -> torch.Tensor:
+        """The ahead chunks' token ids in chunk order, from the tokens ``after`` samples (in its own order)."""
+        sampled_by = {after.chunks[i].seq: k for k, i in enumerate(after.sampling)}
+        picks = [sampled_by[c.seq] for c in chunks if c.ahead]
+        if picks == list(range(len(after.sampling))):
+            return after.tokens
+        return after.tokens[to_device(torch.tensor(picks), self.device)]
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> list[ChunkResult]:

@@ -120,10 +120,11 @@ class SamplingTensors:
 
     @classmethod
     def from_sequences(
-        cls, seqs: list[Sequence], vocab_size: int, device: torch.device, ahead: bool = False
+        cls, seqs: list[Sequence], vocab_size: int, device: torch.device, ahead: list[bool] | None = None
     ) -> SamplingTensors:
-        """``ahead``: the step samples each sequence's token after the one still on the device, so
+        """``ahead[i]``: the step samples sequence i's token after the one still on the device, so
         its noise is keyed one generated token further than the host has seen."""
+        ahead = ahead or [False] * len(seqs)
         params = [s.params for s in seqs]
         penalties = _penalty_tensors(seqs, vocab_size, device) if any(p.penalized for p in params) else None
         banned = _banned_tokens(seqs, vocab_size, device, ahead) if any(p.min_tokens for p in params) else None
@@ -136,7 +137,7 @@ class SamplingTensors:
             for p, k in zip(params, top_k)
         ]
         floats = to_device(torch.tensor(columns, dtype=torch.float32), device)  # top_k < 2**24: exact in float32
-        keys = [row_key(s.seed, s.num_generated_tokens + ahead) for s in seqs]
+        keys = [row_key(s.seed, s.num_generated_tokens + a) for s, a in zip(seqs, ahead)]
         return cls(
             all_greedy=False,
             use_min_p=any(p.min_p > 0 and not p.greedy for p in params),
@@ -153,11 +154,11 @@ class SamplingTensors:
 
 
 def _banned_tokens(seqs: list[Sequence], vocab_size: int, device: torch.device,
-                   ahead: bool) -> tuple[torch.Tensor, ...] | None:
+                   ahead: list[bool]) -> tuple[torch.Tensor, ...] | None:
     """(rows, token ids) of the stop ids of every sequence still short of its min_tokens (vLLM's min_tokens:
     end-of-sequence and stop_token_ids cannot be sampled before it), or None when no sequence is. Ids outside
     the vocabulary (a client's stop_token_ids may hold any integer) cannot be sampled anyway."""
-    pairs = [(row, token) for row, s in enumerate(seqs) if s.num_generated_tokens + ahead < s.params.min_tokens
+    pairs = [(row, token) for row, (s, a) in enumerate(zip(seqs, ahead)) if s.num_generated_tokens + a < s.params.min_tokens
              for token in sorted(s.stop_ids) if 0 <= token < vocab_size]
     if not pairs:
         return None

@@ -11,13 +11,15 @@ free. When a running sequence needs a page and none is free, the sequence at the
 of this step's queue (the newest prefill, else the newest decode) is preempted: its
 pages are freed and it goes back to the head of ``waiting`` to be recomputed.
 
-Async scheduling: while a decode step runs, ``schedule_ahead`` can already schedule the
-next one, whose single token per sequence is the one the running step is sampling (still
-on the device). It does so only when nothing else would have been scheduled differently:
-every running sequence decodes, none waits, none can reach max_tokens in the running
-step, the pages are free without preempting, and no sampler needs the token history on
-the host (penalties). A sequence that a stop token or string ends in the running step
-just wastes its ahead token, as it does today for a stop string seen one step late.
+Async scheduling: while a step runs, ``schedule_ahead`` can already schedule the next one.
+A sequence the running step samples decodes the token being sampled (still on the device);
+one whose prompt the running step does not finish goes on with its next chunk, whose tokens
+the host has; waiting sequences are admitted as ``schedule`` would. It does so only when
+nothing would be scheduled differently once the tokens are known: none can reach max_tokens
+in the running step, the pages are free without preempting, no sampler needs the token history on the host (penalties), and no
+prompt chunk needs the running one's prompt logprobs. A sequence that a stop token or
+string ends in the running step just wastes its ahead token, as it does today for a stop
+string seen one step late.
 """
 
 from __future__ import annotations
@@ -81,7 +83,12 @@ class Scheduler:
                 chunks.append(self._take(seq, n))
                 budget -= n
         # Admit only when nobody was just preempted: the pool is tight, resuming would thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        return chunks if preempted else chunks + self._admit(budget)
+
+    def _admit(self, budget: int) -> list[ScheduledChunk]:
+        """Chunks of waiting sequences, from the head, while the budget, max_num_seqs and the pages allow."""
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.kv_cache.can_grow(seq, seq.num_computed_tokens + n):
@@ -94,26 +101,42 @@ class Scheduler:
         return chunks
 
     def schedule_ahead(self, in_flight: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """The decode step after ``in_flight``, scheduled before its tokens are known; [] when
-        that step could differ from what ``schedule`` will decide once they are (module doc)."""
-        seqs = [c.seq for c in in_flight]
-        if self.waiting or len(seqs) != len(self.running) or len(seqs) > self.max_num_batched_tokens:
-            return []
-        for chunk, seq in zip(in_flight, seqs):
-            p = seq.params
-            if (
-                not (chunk.num_tokens == 1 and chunk.samples)
-                or seq.finish_reason is not None
-                or seq.num_generated_tokens + 2 > p.max_tokens  # the step in flight may be its last
-                or p.penalized  # its penalties need the in-flight token on the host
-            ):  # fmt: skip
+        """The step after ``in_flight``, scheduled before its tokens are known; [] when that step
+        could differ from what ``schedule`` will decide once they are (module doc). It is the step
+        ``schedule`` would take then: decodes first, then prefills, in admission order, within the
+        token budget; a sequence the step in flight samples decodes its token still on the device
+        (``ahead``), one whose prompt it does not finish goes on with its next prompt chunk."""
+        advanced = {}  # seq -> (first position of its next chunk, whether its token there is in flight)
+        for chunk in in_flight:
+            seq, p = chunk.seq, chunk.seq.params
+            if seq.finish_reason is not None:
                 return []
-        new_pages = sum(self.kv_cache.pages_for(s.num_tokens + 1) - len(s.block_table) for s in seqs)
-        if new_pages > self.kv_cache.num_free_pages:
+            if not chunk.samples:
+                if seq.prompt_logprobs is not None:  # the next chunk's prompt logprobs depend on this one's
+                    return []
+                advanced[seq] = (chunk.start + chunk.num_tokens, False)
+            elif seq.num_generated_tokens + 2 > p.max_tokens or p.penalized:  # may be its last; needs the token
+                return []
+            else:
+                advanced[seq] = (seq.num_tokens, True)
+        nexts = []  # (seq, start, tokens left, ahead)
+        for seq in self.running:
+            start, ahead = advanced.get(seq, (seq.num_computed_tokens, False))
+            nexts.append((seq, start, (seq.num_tokens + ahead) - start, ahead))
+        nexts.sort(key=lambda n: n[2] > 1)  # decodes first; stable: admission order within each
+        budget, chunks = self.max_num_batched_tokens, []
+        for seq, start, left, ahead in nexts:
+            if budget == 0:
+                break
+            n = min(left, budget)
+            chunks.append(ScheduledChunk(seq, start, n, ahead=ahead))
+            budget -= n
+        new_pages = sum(max(0, self.kv_cache.pages_for(c.start + c.num_tokens) - len(c.seq.block_table)) for c in chunks)
+        if new_pages > self.kv_cache.num_free_pages:  # schedule would preempt
             return []
-        for seq in seqs:
-            self.kv_cache.grow(seq, seq.num_tokens + 1)
-        return [ScheduledChunk(seq, seq.num_tokens, 1, ahead=True) for seq in seqs]
+        for c in chunks:
+            self.kv_cache.grow(c.seq, c.start + c.num_tokens)
+        return chunks + self._admit(budget)
 
     def _take(self, seq: Sequence, n: int) -> ScheduledChunk:
         self.kv_cache.grow(seq, seq.num_computed_tokens + n)

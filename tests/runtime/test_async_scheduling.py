@@ -12,7 +12,7 @@ from runtime_toy import Collector, assert_pages_return, make_engine, run_all, to
 from server.config import EngineConfig
 from server.runtime.kv_cache import KVCache, KVLayout
 from server.runtime.scheduler import Scheduler
-from server.runtime.sequence import SamplingParams, Sequence
+from server.runtime.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +24,18 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(salt * 37 + 11 * i) % 256 for i in range(n)]
 
 
-def count_ahead_steps(engine) -> list[int]:
-    """Wrap schedule_ahead to keep the size of every step it launched."""
-    sizes, schedule_ahead = [], engine.scheduler.schedule_ahead
+def count_ahead_steps(engine) -> list[list[tuple[int, bool]]]:
+    """Wrap schedule_ahead to keep every step it launched, as (tokens, ahead) of each chunk."""
+    steps, schedule_ahead = [], engine.scheduler.schedule_ahead
 
     def recording(in_flight):
         chunks = schedule_ahead(in_flight)
         if chunks:
-            sizes.append(len(chunks))
+            steps.append([(c.num_tokens, c.ahead) for c in chunks])
         return chunks
 
     engine.scheduler.schedule_ahead = recording
-    return sizes
+    return steps
 
 
 def requests_of_every_kind(free_run: list[int], stop_str: str) -> dict[str, tuple[list[int], SamplingParams]]:
@@ -90,6 +90,8 @@ def test_outputs_with_async_scheduling_equal_the_synchronous_engine(loaded):
     async_, ahead = run_engine(loaded, requests, async_scheduling=True)
     assert not none_ahead
     assert len(ahead) >= 5, f"only {len(ahead)} steps were launched ahead: the test proves little"
+    mixed = [step for step in ahead if any(n > 1 for n, _ in step) and any(a for _, a in step)]
+    assert mixed, "no step ahead put a prompt chunk beside in-flight tokens"
     for rid in requests:
         a, s = async_[rid], sync[rid]
         assert (a.token_ids, a.text, a.finish_reason) == (s.token_ids, s.text, s.finish_reason), rid
@@ -188,7 +190,7 @@ def test_schedule_ahead_takes_the_next_position_and_its_page():
 
 @pytest.mark.parametrize(
     "case",
-    ["waiting", "penalty", "last_token", "pool_short", "finished"],
+    ["penalty", "last_token", "pool_short", "finished"],
 )
 def test_schedule_ahead_declines_when_the_next_step_could_differ(case):
     scheduler = scheduler_with(5 if case == "pool_short" else 16)
@@ -199,11 +201,74 @@ def test_schedule_ahead_declines_when_the_next_step_could_differ(case):
     seq = decoding(scheduler, params)
     other = decoding(scheduler, PLAIN, n_prompt=3, name="other") if case == "pool_short" else None
     in_flight = scheduler.schedule()
-    if case == "waiting":
-        scheduler.add(Sequence("late", [1, 2], PLAIN, seed=0))
     if case == "finished":
         seq.finish_reason = "stop"
     tables = [list(s.block_table) for s in (seq, other) if s is not None]
     assert scheduler.schedule_ahead(in_flight) == []
     assert [list(s.block_table) for s in (seq, other) if s is not None] == tables, "a declined step took pages"
 
+
+
+def test_schedule_ahead_is_the_step_schedule_takes_once_the_tokens_are_known():
+    """Decodes beside prompts in chunks: every step scheduled ahead (decodes of in-flight tokens, prompts' next
+    chunks, admissions from the waiting queue) is the step schedule() decides after the step in flight has
+    finished."""
+    scheduler = scheduler_with(64)
+    scheduler.max_num_batched_tokens = 16
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    decoding(scheduler, params, n_prompt=15, name="a")
+    for name, n in (("b", 40), ("c", 5)):
+        scheduler.add(Sequence(name, list(range(n)), params, seed=0))
+    steps = [scheduler.schedule()]  # a's decode and b's first chunk; c waits for budget
+    kinds = set()
+    for _ in range(8):
+        in_flight = steps[-1]
+        ahead = scheduler.schedule_ahead(in_flight)
+        assert ahead, [(c.seq.request_id, c.start, c.num_tokens) for c in in_flight]
+        kinds |= {"admission" if c.start == 0 else "prompt chunk" if c.num_tokens > 1 else "in-flight token"
+                  for c in ahead}  # fmt: skip
+        for chunk in in_flight:  # the step in flight finishes: its K/V are in, its samplers' tokens arrive
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                chunk.seq.append_token(7)
+        scheduled = scheduler.schedule()
+        assert [(c.seq, c.start, c.num_tokens, c.samples) for c in ahead] == [
+            (c.seq, c.start, c.num_tokens, c.samples) for c in scheduled
+        ]
+        steps.append(ahead)
+    assert kinds == {"admission", "prompt chunk", "in-flight token"}, kinds
+
+
+def test_schedule_ahead_declines_a_prompt_chunk_whose_prompt_logprobs_wait_for_the_step_in_flight():
+    scheduler = scheduler_with(16)
+    scheduler.max_num_batched_tokens = 8
+    scheduler.add(Sequence("p", list(range(20)), SamplingParams(max_tokens=4, prompt_logprobs=1), seed=0))
+    in_flight = scheduler.schedule()
+    assert [c.num_tokens for c in in_flight] == [8]
+    assert scheduler.schedule_ahead(in_flight) == []
+
+
+def test_schedule_ahead_puts_decodes_first_whatever_the_admission_order():
+    """After a preemption the older of two running sequences may be the one still in its prompt: schedule() runs
+    the newer one's decode first, and so must the step ahead (its in-flight token then comes from a row other
+    than its own in the step in flight)."""
+    scheduler = scheduler_with(32)
+    scheduler.max_num_batched_tokens = 8
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    old = Sequence("old", list(range(20)), params, seed=0)
+    new = decoding(scheduler, params, n_prompt=6, name="new")
+    old.status = SequenceStatus.RUNNING
+    scheduler.running.insert(0, old)  # admitted first, preempted, resumed: still in its prompt
+    in_flight = scheduler.schedule()
+    assert [(c.seq, c.num_tokens) for c in in_flight] == [(new, 1), (old, 7)]
+    for _ in range(3):
+        ahead = scheduler.schedule_ahead(in_flight)
+        for chunk in in_flight:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                chunk.seq.append_token(7)
+        assert [(c.seq, c.start, c.num_tokens) for c in ahead] == [
+            (c.seq, c.start, c.num_tokens) for c in scheduler.schedule()
+        ]
+        in_flight = ahead
+    assert [c.seq for c in ahead] == [old, new] and all(c.ahead for c in ahead)

@@ -68,15 +68,14 @@ def mixed_batch(target_params: SamplingParams) -> dict[str, tuple[list[int], Sam
 
 
 def record_schedules(engine) -> list[list[tuple[str, int, bool]]]:
-    """Wrap the scheduler to keep (request, chunk length, decode?) of every step."""
-    steps, schedule = [], engine.scheduler.schedule
+    """Wrap the runner to keep (request, chunk length, decode?) of every step launched (scheduled ahead or not)."""
+    steps, launch = [], engine.runner.launch
 
-    def recording():
-        chunks = schedule()
+    def recording(chunks, after=None):
         steps.append([(c.seq.request_id, c.num_tokens, c.start >= c.seq.num_prompt_tokens) for c in chunks])
-        return chunks
+        return launch(chunks, after)
 
-    engine.scheduler.schedule = recording
+    engine.runner.launch = recording
     return steps
 
 

@@ -195,7 +195,9 @@ def test_min_tokens_masks_the_stop_ids_until_reached(temperature):
     seqs = [_seq(1, params, {4, 99}), _seq(3, params, {4}), _seq(2, params, {4})]  # 99: outside the vocabulary
     st = SamplingTensors.from_sequences(seqs, V, torch.device("cpu"))
     assert sample(logits, st).tolist() == [9, 4, 9]
-    ahead = SamplingTensors.from_sequences(seqs, V, torch.device("cpu"), ahead=True)
+    ahead = SamplingTensors.from_sequences(seqs, V, torch.device("cpu"), ahead=[False, False, True])
     assert sample(logits, ahead).tolist() == [9, 4, 4], "a token still in flight counts as generated"
+    ahead = SamplingTensors.from_sequences(seqs, V, torch.device("cpu"), ahead=[True, True, False])
+    assert sample(logits, ahead).tolist() == [9, 4, 9], "only the rows whose token is in flight"
     plain = [_seq(0, SamplingParams(max_tokens=10, temperature=temperature, seed=1), {4})]
     assert SamplingTensors.from_sequences(plain, V, torch.device("cpu")).banned is None
