@@ -124,7 +124,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_argument(parser, "--seed", type=int, default=0, help="base seed")
     add_argument(parser, "--enforce-eager", action="store_true", help="disable CUDA graphs")
     add_argument(parser, "--no-async-scheduling", dest="async_scheduling", action="store_false",
-                 help="read each decode step's tokens back before launching the next")
+                 help="read each step's tokens back before launching the next (default: async on CUDA devices)")
     add_argument(parser, "--kernel-timing-sample-rate", type=float, default=0.01,
                  help="share of steps whose kernels are timed; 0 disables")
     add_argument(parser, "--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -139,7 +139,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_recent_window=args.kv_recent_window,
         page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue, seed=args.seed,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager, async_scheduling=None if args.async_scheduling else False,
         kernel_timing_sample_rate=args.kernel_timing_sample_rate)
 
 

@@ -39,7 +39,9 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond which submit() refuses
     seed: int = 0
     enforce_eager: bool = False  # disable CUDA graphs
-    async_scheduling: bool = True  # launch the next decode step before reading this one's tokens back
+    # Launch the next step before reading this one's tokens back. None: where kernels run behind the host (CUDA);
+    # on a CPU the launch is the computation, and running the next step first only delays this one's tokens.
+    async_scheduling: bool | None = None
     kernel_timing_sample_rate: float = 0.01  # fraction of steps whose kernels are timed; 0 disables
 
 

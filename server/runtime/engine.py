@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Steps after one that found the host slower than the device (step()) before an eager step is launched ahead again.
+EAGER_AHEAD_PAUSE_STEPS = 64
 
 
 @dataclass
@@ -146,8 +148,11 @@ class Engine:
         self._unpublished: list[tuple[Sequence, int, bool, float]] = []
         self._in_flight: set[Sequence] = set()  # sequences of the steps whose kernels are running
         self._deferred_release: list[Sequence] = []  # ended while in flight: pages return after it
-        # (chunks, launched step, launch failure) of a decode step launched ahead (async scheduling)
+        # (chunks, launched step, launch failure) of a step launched ahead (async scheduling)
         self._ahead: tuple[list[ScheduledChunk], LaunchedStep | None, Exception | None] | None = None
+        self._async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._steps = 0
+        self._eager_ahead_from = 0  # the step count from which eager steps may be launched ahead again
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics = EngineMetrics(self.model_name)
@@ -345,12 +350,15 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> None:
-        """One step: launch it (or take the one launched ahead), launch the next decode step
-        ahead when the scheduler can tell it already (async scheduling: the device goes on
-        while the host reads tokens back and schedules), publish the previous step's outputs
-        while the device works (detokenization and callbacks are host work that would
-        otherwise leave it idle), then take this step's tokens."""
+        """One step: launch it (or take the one launched ahead), launch the next step ahead
+        when the scheduler can tell it already (async scheduling: the device goes on while the
+        host reads tokens back and schedules), publish the previous step's outputs while the
+        device works (detokenization and callbacks are host work that would otherwise leave it
+        idle), then take this step's tokens. Where no device runs behind the host (a CPU), the
+        launch is the computation: the previous step's outputs go out before it."""
         timing.begin_step()
+        if self.device.type != "cuda":
+            self._publish()
         started, preemptions = time.monotonic(), self.scheduler.num_preemptions
         if self._ahead is not None:
             (chunks, launched, failure), self._ahead = self._ahead, None
@@ -358,11 +366,10 @@ class Engine:
             chunks = self.scheduler.schedule()
             launched, failure = self._launch(chunks, started)
         self._in_flight = {chunk.seq for chunk in chunks}
+        self._steps += 1
         # Read without the lock: a request or abort arriving just now waits one step more, no harm.
-        if launched is not None and self.config.async_scheduling and not (self._inbox or self._aborts):
-            ahead = self.scheduler.schedule_ahead(chunks)
-            if ahead:
-                self._ahead = (ahead, *self._launch(ahead, started, after=launched))
+        if launched is not None and self._async and not (self._inbox or self._aborts):
+            self._launch_ahead(chunks, launched, started)
         self._publish()
         if chunks:
             results = self._collect(chunks, launched, failure)
@@ -382,6 +389,19 @@ class Engine:
             num_tokens=sum(c.num_tokens for c in chunks), num_preempted=self.scheduler.num_preemptions - preemptions,
             pages_used=self.kv_cache.num_used_pages,
         )  # fmt: skip
+
+    def _launch_ahead(self, chunks: list[ScheduledChunk], launched: LaunchedStep, now: float) -> None:
+        """Launch the step after ``launched`` now, if the scheduler can tell it already. An eager one (prompt
+        chunks, or a batch no CUDA graph takes) costs the host milliseconds to queue; if the step in flight is
+        done by then, the host bounds these steps, and queueing ahead only held back that step's tokens: eager
+        steps then wait for their tokens for a while (EAGER_AHEAD_PAUSE_STEPS)."""
+        eager_allowed = self._steps >= self._eager_ahead_from
+        ahead = self.scheduler.schedule_ahead(chunks, prompts=eager_allowed)
+        if not ahead:
+            return
+        self._ahead = (ahead, *self._launch(ahead, now, after=launched))
+        if eager_allowed and not self.runner.used_cuda_graph and launched.finished_already():
+            self._eager_ahead_from = self._steps + EAGER_AHEAD_PAUSE_STEPS
 
     def _launch(
         self, chunks: list[ScheduledChunk], now: float, after: LaunchedStep | None = None

@@ -62,10 +62,14 @@ class LaunchedStep:
     scoring_prompt: list[int] = field(default_factory=list)  # chunks whose prompt logprobs are computed
     sample_logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None  # [len(sampling)] int64
-    # The tokens' copy to pinned host memory, queued right after sampling, and its event: a step
-    # launched ahead queues behind this one, so reading `tokens` itself would wait for that too.
+    # The tokens' copy to pinned host memory, queued right after sampling: a step launched ahead
+    # queues behind this one, so reading `tokens` itself would wait for that too.
     tokens_host: torch.Tensor | None = None
-    tokens_copied: torch.cuda.Event | None = None
+    finished: torch.cuda.Event | None = None  # recorded after the step's last kernel (CUDA)
+
+    def finished_already(self) -> bool:
+        """Whether a device that runs kernels behind the host (CUDA) has finished the step by now."""
+        return self.finished is not None and self.finished.query()
 
 
 @dataclass
@@ -185,8 +189,16 @@ class ModelRunner:
         batch = self.batch(chunks)
         hidden = self.forward(batch, None if after is None else self._ahead_ids(chunks, after))
         step = LaunchedStep(chunks, batch.row_starts)
-        if not batch.logit_rows:
-            return step
+        if batch.logit_rows:
+            self._logits_and_tokens(step, hidden, batch)
+        if self.device.type == "cuda":
+            step.finished = torch.cuda.Event()
+            step.finished.record()
+        return step
+
+    def _logits_and_tokens(self, step: LaunchedStep, hidden: torch.Tensor, batch: HostBatch) -> None:
+        """Queue the logits of the rows that need them and the sampling of the chunks that sample."""
+        chunks = step.chunks
         if len(batch.logit_rows) < hidden.shape[0]:
             hidden = hidden[to_device(torch.tensor(batch.logit_rows), self.device)]
         with timed("lm_head", self.device):
@@ -208,9 +220,6 @@ class ModelRunner:
             if self.device.type == "cuda":
                 step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
                 step.tokens_host.copy_(step.tokens, non_blocking=True)
-                step.tokens_copied = torch.cuda.Event()
-                step.tokens_copied.record()
-        return step
 
     def _ahead_ids(self, chunks: list[ScheduledChunk], after: LaunchedStep) -> torch.Tensor:
         """The ahead chunks' token ids in chunk order, from the tokens ``after`` samples (in its own order)."""
@@ -228,8 +237,8 @@ class ModelRunner:
         if step.tokens is not None:
             seqs = [chunks[i].seq for i in step.sampling]
             logprobs = token_logprobs(step.sample_logits, step.tokens, [s.params.logprobs for s in seqs])
-            if step.tokens_copied is not None:
-                step.tokens_copied.synchronize()
+            if step.finished is not None:
+                step.finished.synchronize()
             tokens = (step.tokens if step.tokens_host is None else step.tokens_host).tolist()
             for i, token, logprob in zip(step.sampling, tokens, logprobs):
                 results[i].token, results[i].logprob = token, logprob

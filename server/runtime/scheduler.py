@@ -100,12 +100,13 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def schedule_ahead(self, in_flight: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    def schedule_ahead(self, in_flight: list[ScheduledChunk], prompts: bool = True) -> list[ScheduledChunk]:
         """The step after ``in_flight``, scheduled before its tokens are known; [] when that step
         could differ from what ``schedule`` will decide once they are (module doc). It is the step
         ``schedule`` would take then: decodes first, then prefills, in admission order, within the
         token budget; a sequence the step in flight samples decodes its token still on the device
-        (``ahead``), one whose prompt it does not finish goes on with its next prompt chunk."""
+        (``ahead``), one whose prompt it does not finish goes on with its next prompt chunk.
+        ``prompts=False``: only a step of in-flight tokens alone; [] where it would take more."""
         advanced = {}  # seq -> (first position of its next chunk, whether its token there is in flight)
         for chunk in in_flight:
             seq, p = chunk.seq, chunk.seq.params
@@ -131,7 +132,11 @@ class Scheduler:
             n = min(left, budget)
             chunks.append(ScheduledChunk(seq, start, n, ahead=ahead))
             budget -= n
-        new_pages = sum(max(0, self.kv_cache.pages_for(c.start + c.num_tokens) - len(c.seq.block_table)) for c in chunks)
+        admits = bool(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+        if not prompts and (admits or not all(c.ahead for c in chunks)):
+            return []
+        new_pages = sum(max(0, self.kv_cache.pages_for(c.start + c.num_tokens) - len(c.seq.block_table))
+                        for c in chunks)  # fmt: skip
         if new_pages > self.kv_cache.num_free_pages:  # schedule would preempt
             return []
         for c in chunks:

@@ -132,6 +132,9 @@ def make_engine(loaded: ToyLoaded, num_pages: int = 512, **config) -> "Engine":
     from server.runtime.engine import Engine
 
     config.setdefault("max_num_batched_tokens", 64)
+    # On a CPU the engine launches nothing ahead unless asked; the tests ask, so that every engine test also runs
+    # the steps scheduled ahead (test_async_scheduling.py checks the default).
+    config.setdefault("async_scheduling", True)
     engine = Engine(EngineConfig(kv_cache_memory=num_pages * BYTES_PER_PAGE, page_size=PAGE_SIZE, **config), loaded)
     engine.start()
     return engine

@@ -11,6 +11,7 @@ from runtime_toy import Collector, assert_pages_return, make_engine, run_all, to
 
 from server.config import EngineConfig
 from server.runtime.kv_cache import KVCache, KVLayout
+from server.runtime.model_runner import LaunchedStep
 from server.runtime.scheduler import Scheduler
 from server.runtime.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -28,8 +29,8 @@ def count_ahead_steps(engine) -> list[list[tuple[int, bool]]]:
     """Wrap schedule_ahead to keep every step it launched, as (tokens, ahead) of each chunk."""
     steps, schedule_ahead = [], engine.scheduler.schedule_ahead
 
-    def recording(in_flight):
-        chunks = schedule_ahead(in_flight)
+    def recording(in_flight, prompts=True):
+        chunks = schedule_ahead(in_flight, prompts)
         if chunks:
             steps.append([(c.num_tokens, c.ahead) for c in chunks])
         return chunks
@@ -272,3 +273,35 @@ def test_schedule_ahead_puts_decodes_first_whatever_the_admission_order():
         ]
         in_flight = ahead
     assert [c.seq for c in ahead] == [old, new] and all(c.ahead for c in ahead)
+
+
+def test_async_scheduling_is_off_by_default_on_a_cpu(loaded):
+    """On a CPU the launch is the computation: running the next step first would only delay this one's tokens."""
+    engine = make_engine(loaded, async_scheduling=None)
+    ahead = count_ahead_steps(engine)
+    try:
+        out = engine.generate(prompt(20, 4), SamplingParams(max_tokens=12, ignore_eos=True))
+        assert len(out.token_ids) == 12 and not ahead
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("host_bound", [False, True])
+def test_eager_steps_stop_going_ahead_once_the_step_in_flight_finishes_first(loaded, monkeypatch, host_bound):
+    """Where the step in flight is already done when the next is queued (a host slower than the device), eager
+    steps (prompt chunks) wait for their tokens for EAGER_AHEAD_PAUSE_STEPS; steps of in-flight tokens alone still
+    go ahead. A CPU step is never found done, so the test says which it is."""
+    monkeypatch.setattr(LaunchedStep, "finished_already", lambda self: host_bound)
+    engine = make_engine(loaded, max_num_batched_tokens=8)
+    ahead = count_ahead_steps(engine)
+    try:
+        requests = {f"r{i}": (prompt(3 + 25 * i, i), SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(3)}
+        run_all(engine, requests)
+    finally:
+        engine.shutdown()
+    with_prompts = [i for i, step in enumerate(ahead) if not all(a for _, a in step)]
+    assert len(ahead) > 20
+    if host_bound:
+        assert with_prompts == [0], with_prompts  # the first one shows the host bound; then a pause
+    else:
+        assert len(with_prompts) > 1, with_prompts
