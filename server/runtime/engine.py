@@ -113,6 +113,8 @@ class Engine:
             use_device(self.device)
             dtype = resolve_dtype(config.dtype, self.device)
             loaded = load_model(config.model, self.device, dtype)
+            if self.device.type == "cpu" and config.cpu_int4:
+                self._use_int4_mlps(loaded)
         else:  # already on its device, in its compute dtype (quantized weights may be integers)
             weight = next(p for p in loaded.model.parameters() if p.is_floating_point())
             self.device, dtype = weight.device, weight.dtype
@@ -163,6 +165,19 @@ class Engine:
             self.model_name, loaded.path, self.device, dtype, backend.describe(self.device),
             self.kv_cache.describe(), self.max_model_len,
         )  # fmt: skip
+
+    @staticmethod
+    def _use_int4_mlps(loaded: LoadedModel) -> None:
+        from server.kernels import int4_cpu
+        from server.runtime.models.int4_mlps import use_int4_mlps
+
+        if not int4_cpu.supported():
+            log.info("CPU: this torch has no int4 kernel (torch >= 2.6); 4-bit MLP weights are dequantized")
+            return
+        changed = use_int4_mlps(loaded.model, loaded.raw_weights)
+        if changed:
+            log.info("CPU: %d MLPs multiply their 4-bit blocks as stored (bf16 activations; --no-cpu-int4 "
+                     "dequantizes them to the compute dtype)", changed)  # fmt: skip
 
     def _report_setup(self, loaded: LoadedModel, layout: KVLayout, key_pairs: int) -> None:
         kv = self.kv_cache

@@ -158,8 +158,8 @@ def _banned_tokens(seqs: list[Sequence], vocab_size: int, device: torch.device,
     """(rows, token ids) of the stop ids of every sequence still short of its min_tokens (vLLM's min_tokens:
     end-of-sequence and stop_token_ids cannot be sampled before it), or None when no sequence is. Ids outside
     the vocabulary (a client's stop_token_ids may hold any integer) cannot be sampled anyway."""
-    pairs = [(row, token) for row, (s, a) in enumerate(zip(seqs, ahead)) if s.num_generated_tokens + a < s.params.min_tokens
-             for token in sorted(s.stop_ids) if 0 <= token < vocab_size]
+    short = [row for row, (s, a) in enumerate(zip(seqs, ahead)) if s.num_generated_tokens + a < s.params.min_tokens]
+    pairs = [(row, token) for row in short for token in sorted(seqs[row].stop_ids) if 0 <= token < vocab_size]
     if not pairs:
         return None
     rows, tokens = to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)

@@ -16,10 +16,10 @@ A sequence the running step samples decodes the token being sampled (still on th
 one whose prompt the running step does not finish goes on with its next chunk, whose tokens
 the host has; waiting sequences are admitted as ``schedule`` would. It does so only when
 nothing would be scheduled differently once the tokens are known: none can reach max_tokens
-in the running step, the pages are free without preempting, no sampler needs the token history on the host (penalties), and no
-prompt chunk needs the running one's prompt logprobs. A sequence that a stop token or
-string ends in the running step just wastes its ahead token, as it does today for a stop
-string seen one step late.
+in the running step, the pages are free without preempting, no sampler needs the token
+history on the host (penalties), and no prompt chunk needs the running one's prompt
+logprobs. A sequence that a stop token or string ends in the running step just wastes its
+ahead token, as it does today for a stop string seen one step late.
 """
 
 from __future__ import annotations

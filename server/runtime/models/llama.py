@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.kernels.backend import use_triton
+from server.kernels.int4_cpu import Int4Weight, int4_linear
 from server.kernels.paged_kv import AttentionMetadata, KVLayerStore
 from server.kernels.timing import timed
 from server.runtime.models.config import ModelConfig
@@ -66,6 +67,9 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # rows: gate, then up
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # (gate_up, down) as the file's 4-bit blocks, multiplied as they are on a CPU (int4_mlps.py); the float
+        # projections are then dropped
+        self.int4: tuple[Int4Weight, Int4Weight] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
@@ -75,10 +79,11 @@ class DenseMLP(nn.Module):
                 act = linear_silu_and_mul(x, self.gate_up_proj.weight)
         else:
             with timed("gate_up_proj", x.device):
-                gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+                gate_up = F.linear(x, self.gate_up_proj.weight) if self.int4 is None else int4_linear(x, self.int4[0])
+                gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         with timed("down_proj", x.device):
-            return linear(act, self.down_proj.weight)
+            return linear(act, self.down_proj.weight) if self.int4 is None else int4_linear(act, self.int4[1])
 
 
 def _scale_(weight: torch.Tensor, factor: torch.Tensor) -> None:

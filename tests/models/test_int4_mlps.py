@@ -1,0 +1,62 @@
+"""The embedded SmolLM2's Q4_1 MLPs multiplied as stored on the CPU (runtime/models/int4_mlps.py) against the same
+model with them dequantized to float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_batch import PagedBatch, greedy
+from server.config import EngineConfig
+from server.kernels import int4_cpu
+from server.runtime.engine import Engine
+from server.runtime.models.int4_mlps import use_int4_mlps
+from server.runtime.models.llama import DenseMLP
+from server.runtime.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not int4_cpu.supported(), reason="this torch has no _weight_int4pack_mm_for_cpu")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def models():
+    cpu = torch.device("cpu")
+    dense, packed = load_model(None, cpu, torch.float32), load_model(None, cpu, torch.float32)
+    assert use_int4_mlps(packed.model, packed.raw_weights) == 30
+    return dense, packed
+
+
+def test_every_mlp_takes_its_blocks_and_drops_its_float_copy(models):
+    _, packed = models
+    for layer in packed.model.layers:
+        assert isinstance(layer.mlp, DenseMLP) and layer.mlp.int4 is not None
+        assert layer.mlp.gate_up_proj is None and layer.mlp.down_proj is None
+    gate_up, down = packed.model.layers[0].mlp.int4
+    assert (gate_up.out_features, gate_up.in_features, down.out_features, down.in_features) == (3072, 576, 576, 1536)
+
+
+def test_an_mlp_matches_its_dequantized_weights(models):
+    dense, packed = models
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
+    for i in (0, 17, 29):
+        want, got = dense.model.layers[i].mlp(x), packed.model.layers[i].mlp(x)
+        # bf16 activations, scales and zeros: about 2^-8 of the output's scale
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), i
+
+
+def test_the_model_answers_as_with_float_weights(models):
+    dense, packed = models
+    prompt = dense.tokenizer.encode(dense.tokenizer.apply_chat_template(QUESTION))
+    want, want_logits = greedy(PagedBatch(dense.model, num_pages=32, page_size=16), {"q": prompt}, 12)
+    got, got_logits = greedy(PagedBatch(packed.model, num_pages=32, page_size=16), {"q": prompt}, 12)
+    assert packed.tokenizer.decode(got["q"]).startswith("The capital of France is Paris")
+    assert got["q"] == want["q"]
+    scale = want_logits["q"].abs().max()
+    assert (got_logits["q"] - want_logits["q"]).abs().max() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("cpu_int4", [True, False])
+def test_the_engine_flag_decides(cpu_int4):
+    engine = Engine(EngineConfig(device="cpu", cpu_int4=cpu_int4, kv_cache_memory=1 << 24))
+    assert all((layer.mlp.int4 is not None) == cpu_int4 for layer in engine.model.layers)
