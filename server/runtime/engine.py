@@ -113,8 +113,6 @@ class Engine:
             use_device(self.device)
             dtype = resolve_dtype(config.dtype, self.device)
             loaded = load_model(config.model, self.device, dtype)
-            if self.device.type == "cpu" and config.cpu_int4:
-                self._use_int4_mlps(loaded)
         else:  # already on its device, in its compute dtype (quantized weights may be integers)
             weight = next(p for p in loaded.model.parameters() if p.is_floating_point())
             self.device, dtype = weight.device, weight.dtype
@@ -134,6 +132,8 @@ class Engine:
         calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                            self.device, dtype, self.max_model_len, key_pairs if offset else None,
                            config.kv_balance and turbo)
+        if self.device.type == "cpu" and config.cpu_int4 and loaded.raw_weights:  # after the balance is folded
+            self._use_int4_weights(loaded)
         if not turbo and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)
@@ -167,17 +167,17 @@ class Engine:
         )  # fmt: skip
 
     @staticmethod
-    def _use_int4_mlps(loaded: LoadedModel) -> None:
+    def _use_int4_weights(loaded: LoadedModel) -> None:
         from server.kernels import int4_cpu
-        from server.runtime.models.int4_mlps import use_int4_mlps
+        from server.runtime.models.int4_weights import use_int4_weights
 
         if not int4_cpu.supported():
-            log.info("CPU: this torch has no int4 kernel (torch >= 2.6); 4-bit MLP weights are dequantized")
+            log.info("CPU: this torch has no int4 kernel (torch >= 2.6); 4-bit weights are dequantized")
             return
-        changed = use_int4_mlps(loaded.model, loaded.raw_weights)
-        if changed:
-            log.info("CPU: %d MLPs multiply their 4-bit blocks as stored (bf16 activations; --no-cpu-int4 "
-                     "dequantizes them to the compute dtype)", changed)  # fmt: skip
+        mlps, attentions = use_int4_weights(loaded.model, loaded.raw_weights)
+        if mlps or attentions:
+            log.info("CPU: %d MLPs and %d attentions multiply their 4-bit blocks as stored (bf16 activations; "
+                     "--no-cpu-int4 dequantizes them to the compute dtype)", mlps, attentions)  # fmt: skip
 
     def _report_setup(self, loaded: LoadedModel, layout: KVLayout, key_pairs: int) -> None:
         kv = self.kv_cache

@@ -67,7 +67,7 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # rows: gate, then up
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        # (gate_up, down) as the file's 4-bit blocks, multiplied as they are on a CPU (int4_mlps.py); the float
+        # (gate_up, down) as the file's 4-bit blocks, multiplied as they are on a CPU (int4_weights.py); the float
         # projections are then dropped
         self.int4: tuple[Int4Weight, Int4Weight] | None = None
 
@@ -104,6 +104,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.key_scale: torch.Tensor | None = None  # the K / V channel balance folded in (set_kv_balance)
         self.value_scale: torch.Tensor | None = None
+        # (qkv, o) as the file's 4-bit blocks, multiplied as they are on a CPU (int4_weights.py); the float weights
+        # are then dropped
+        self.int4: tuple[Int4Weight, Int4Weight] | None = None
 
     @property
     def key_scale_per_head(self) -> bool:
@@ -176,7 +179,7 @@ class Attention(nn.Module):
             written = pages is not None
         else:
             with timed("qkv_proj", x.device):
-                qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+                qkv = self._project(x, self.qkv_proj, 0)
             q, k, v = qkv.split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
                 dim=-1,
@@ -191,7 +194,14 @@ class Attention(nn.Module):
             kv.write(k, v, meta.slot_mapping, positions)
         out = kv.attend(q, meta, self.scale)
         with timed("o_proj", x.device):
-            return linear(out.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+            return self._project(out.reshape(T, self.num_heads * self.head_dim), self.o_proj, 1)
+
+    def _project(self, x: torch.Tensor, proj: nn.Linear, which: int) -> torch.Tensor:
+        """proj(x); from the file's 4-bit blocks (self.int4[which]) where int4_weights.py gave them."""
+        if self.int4 is None:
+            return linear(x, proj.weight, proj.bias)
+        y = int4_linear(x, self.int4[which])
+        return y if proj.bias is None else y + proj.bias
 
 
 class DecoderLayer(nn.Module):

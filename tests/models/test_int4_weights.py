@@ -1,5 +1,5 @@
-"""The embedded SmolLM2's Q4_1 MLPs multiplied as stored on the CPU (runtime/models/int4_mlps.py) against the same
-model with them dequantized to float32."""
+"""The embedded SmolLM2's Q4_1 projections multiplied as stored on the CPU (runtime/models/int4_weights.py) against
+the same model with them dequantized to float32."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from paged_batch import PagedBatch, greedy
 from server.config import EngineConfig
 from server.kernels import int4_cpu
 from server.runtime.engine import Engine
-from server.runtime.models.int4_mlps import use_int4_mlps
+from server.runtime.models.int4_weights import use_int4_weights
 from server.runtime.models.llama import DenseMLP
 from server.runtime.models.loader import load_model
 
@@ -23,17 +23,30 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def models():
     cpu = torch.device("cpu")
     dense, packed = load_model(None, cpu, torch.float32), load_model(None, cpu, torch.float32)
-    assert use_int4_mlps(packed.model, packed.raw_weights) == 30
+    assert use_int4_weights(packed.model, packed.raw_weights) == (30, 30)
     return dense, packed
 
 
-def test_every_mlp_takes_its_blocks_and_drops_its_float_copy(models):
+def test_every_projection_takes_its_blocks_and_drops_its_float_copy(models):
     _, packed = models
     for layer in packed.model.layers:
         assert isinstance(layer.mlp, DenseMLP) and layer.mlp.int4 is not None
         assert layer.mlp.gate_up_proj is None and layer.mlp.down_proj is None
+        assert layer.self_attn.int4 is not None
+        assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.o_proj.weight is None
     gate_up, down = packed.model.layers[0].mlp.int4
     assert (gate_up.out_features, gate_up.in_features, down.out_features, down.in_features) == (3072, 576, 576, 1536)
+    qkv, o = packed.model.layers[0].self_attn.int4
+    assert (qkv.out_features, qkv.in_features, o.out_features, o.in_features) == (576 + 2 * 192, 576, 576, 576)
+
+
+def test_a_balanced_attention_keeps_its_float_weights():
+    """A K / V channel balance scales o_proj's input columns, which a group's scale and zero cannot follow."""
+    loaded = load_model(None, torch.device("cpu"), torch.float32)
+    attention = loaded.model.layers[3].self_attn
+    attention.set_kv_balance(None, torch.full((3, 64), 2.0))
+    assert use_int4_weights(loaded.model, loaded.raw_weights) == (30, 29)
+    assert attention.int4 is None and attention.o_proj.weight is not None
 
 
 def test_an_mlp_matches_its_dequantized_weights(models):
@@ -43,6 +56,11 @@ def test_an_mlp_matches_its_dequantized_weights(models):
         want, got = dense.model.layers[i].mlp(x), packed.model.layers[i].mlp(x)
         # bf16 activations, scales and zeros: about 2^-8 of the output's scale
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), i
+        dense_attention, packed_attention = dense.model.layers[i].self_attn, packed.model.layers[i].self_attn
+        for which, name in enumerate(("qkv_proj", "o_proj")):
+            want = getattr(dense_attention, name)(x)
+            got = packed_attention._project(x, getattr(packed_attention, name), which)
+            assert (got - want).abs().max() <= 2e-2 * want.abs().max(), (i, name)
 
 
 def test_the_model_answers_as_with_float_weights(models):
@@ -60,3 +78,4 @@ def test_the_model_answers_as_with_float_weights(models):
 def test_the_engine_flag_decides(cpu_int4):
     engine = Engine(EngineConfig(device="cpu", cpu_int4=cpu_int4, kv_cache_memory=1 << 24))
     assert all((layer.mlp.int4 is not None) == cpu_int4 for layer in engine.model.layers)
+    assert all((layer.self_attn.int4 is not None) == cpu_int4 for layer in engine.model.layers)
