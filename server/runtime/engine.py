@@ -188,6 +188,8 @@ class Engine:
             recent_window_bytes=kv.recent_bytes,
         )  # fmt: skip
         in_memory = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
+        if any(getattr(m, "int4", None) is not None for m in self.model.modules()):
+            in_memory.add("int4")  # 4-bit blocks multiplied as stored (int4_weights.py)
         in_file = {raw.ggml_type.name for raw in loaded.raw_weights.values()}
         turbo_k = kv.k_kind in TURBO_KV_KINDS
         self.metrics.process.on_start(

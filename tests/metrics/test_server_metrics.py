@@ -150,6 +150,7 @@ def test_process_families(idle_samples):
     assert info[0]["kv_key_offset"] == "none", "a dense K cache subtracts no offset"
     assert info[0]["kv_key_turned_pairs"] == "0", "and turns no pair of it"
     assert "Q4_1" in info[0]["weight_formats"], info[0]
+    assert "int4" in info[0]["weight_formats"].split(","), "the CPU multiplies the Q4_1 blocks as stored"
     assert total(s, "turboserve_engine_alive") == 1
     assert total(s, "turboserve_engine_steps_total", cuda_graph="true") == 0  # CPU: no graphs
     assert total(s, "turboserve_engine_steps_total") == total(s, "turboserve_engine_step_duration_seconds_count") > 0
