@@ -11,17 +11,12 @@ import threading
 import pytest
 import torch
 
-from bench.e2e import build_random_model, make_engine, random_prompts
-from server.runtime.models.config import ModelConfig
-from server.runtime.sequence import SamplingParams
+from test_pdl_engine_gpu import CONFIG, greedy_runs  # the same small random model
+
+from bench.e2e import build_random_model, make_engine
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = ModelConfig(
-    architecture="llama", vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-    max_position_embeddings=4096, tie_word_embeddings=False,
-)  # fmt: skip
 PROMPT_LENGTHS = (7, 700)
 
 
@@ -38,9 +33,7 @@ def greedy_tokens(device: torch.device, kind: str) -> list[list[int]]:
     builder.join()
     engine = built["engine"]
     try:
-        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-        return [engine.generate(random_prompts(1, n, CONFIG.vocab_size, seed=n)[0], params).token_ids
-                for n in PROMPT_LENGTHS]
+        return greedy_runs(engine, PROMPT_LENGTHS, 64)
     finally:
         engine.shutdown()
 

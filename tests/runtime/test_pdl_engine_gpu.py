@@ -30,14 +30,18 @@ CONFIG = ModelConfig(
 PROMPT_LENGTHS = (5, 300, 1500)  # one chunk; two chunks; six chunks of 256 (the longest decodes past 2048's bucket)
 
 
+def greedy_runs(engine, lengths: tuple[int, ...], max_tokens: int) -> list[list[int]]:
+    """A random prompt of each length (seeded by it), one after another through ``engine``, greedy."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [engine.generate(random_prompts(1, n, CONFIG.vocab_size, seed=n)[0], params).token_ids for n in lengths]
+
+
 def greedy_tokens(kind: str) -> list[list[int]]:
     loaded = build_random_model(CONFIG, torch.device("cuda"), torch.bfloat16)
     engine = make_engine(loaded, max_seqs=4, max_model_len=4096, kv_cache_dtype=kind, budget_tokens=4096, chunk=256,
                          kv_key_offset=DEFAULT_KV_KEY_OFFSET)
     try:
-        params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
-        return [engine.generate(random_prompts(1, n, CONFIG.vocab_size, seed=n)[0], params).token_ids
-                for n in PROMPT_LENGTHS]
+        return greedy_runs(engine, PROMPT_LENGTHS, 600)
     finally:
         engine.shutdown()
         del engine, loaded
