@@ -39,7 +39,8 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond which submit() refuses
     seed: int = 0
     enforce_eager: bool = False  # disable CUDA graphs
-    # On a CPU, multiply a GGUF's Q4_0 / Q4_1 MLP weights as stored (kernels/int4_cpu.py), not dequantized
+    # On a CPU, multiply a GGUF's Q4_0 / Q4_1 projections as stored (runtime/models/int4_weights.py), not
+    # dequantized; in a model the engine loads itself (one handed to it keeps its float weights)
     cpu_int4: bool = True
     # Launch the next step before reading this one's tokens back. None: where kernels run behind the host (CUDA);
     # on a CPU the launch is the computation, and running the next step first only delays this one's tokens.

@@ -106,6 +106,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """Load the model (or take ``loaded``, already on its device) and size the KV pool."""
         self.config = config
+        owns_model = loaded is None  # a model handed in is not transformed irreversibly (its float weights dropped)
         if loaded is None:
             from server.runtime.models.loader import load_model
 
@@ -132,7 +133,7 @@ class Engine:
         calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                            self.device, dtype, self.max_model_len, key_pairs if offset else None,
                            config.kv_balance and turbo)
-        if self.device.type == "cpu" and config.cpu_int4 and loaded.raw_weights:  # after the balance is folded
+        if self.device.type == "cpu" and config.cpu_int4 and owns_model:  # after the balance is folded
             self._use_int4_weights(loaded)
         if not turbo and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",

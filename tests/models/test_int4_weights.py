@@ -79,3 +79,12 @@ def test_the_engine_flag_decides(cpu_int4):
     engine = Engine(EngineConfig(device="cpu", cpu_int4=cpu_int4, kv_cache_memory=1 << 24))
     assert all((layer.mlp.int4 is not None) == cpu_int4 for layer in engine.model.layers)
     assert all((layer.self_attn.int4 is not None) == cpu_int4 for layer in engine.model.layers)
+
+
+def test_a_model_handed_to_an_engine_keeps_its_float_weights():
+    """Dropping the float copies cannot be undone: another engine on the same model may need them (a turbo cache
+    folds its K / V balance into the attention weights)."""
+    loaded = load_model(None, torch.device("cpu"), torch.float32)
+    Engine(EngineConfig(device="cpu", kv_cache_memory=1 << 24), loaded)
+    assert all(layer.mlp.int4 is None and layer.self_attn.int4 is None for layer in loaded.model.layers)
+    Engine(EngineConfig(device="cpu", kv_cache_memory=1 << 24, kv_cache_dtype="turbo3"), loaded)  # needs o_proj
