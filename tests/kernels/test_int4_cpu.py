@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from server.kernels.int4_cpu import GROUP, Int4Codes, Int4Weight, int4_linear, int4_linear_reference, supported
+from server.kernels.int4_cpu import (
+    GROUP, INT4_ROWS, Int4Codes, Int4Weight, int4_linear, int4_linear_reference, supported,
+)  # fmt: skip
 
 needs_kernel = pytest.mark.skipif(not supported(), reason="this torch has no _weight_int4pack_mm_for_cpu")
 
@@ -42,7 +44,7 @@ def test_an_unknown_block_type_is_refused():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows, cols, tokens", [(1, 32, 1), (17, 96, 3), (64, 576, 1), (40, 160, 37)])
+@pytest.mark.parametrize("rows, cols, tokens", [(1, 32, 1), (17, 96, 3), (64, 576, 1), (40, 160, INT4_ROWS)])
 def test_int4_linear_matches_its_float64_meaning(rows, cols, tokens):
     blocks = ggml_blocks("Q4_1", rows, cols, seed=rows + cols)
     codes = Int4Codes.from_ggml(torch.from_numpy(blocks), "Q4_1")
@@ -57,6 +59,16 @@ def test_int4_linear_matches_its_float64_meaning(rows, cols, tokens):
     assert (int4_linear_reference(x, rounded).double() - oracle).abs().max().item() <= 1e-5 * scale
     # bfloat16 scales and zeros are close to the file's: a few percent of a quantization step
     assert (rounded.dequantize() - codes.dequantize()).abs().max() <= 0.05 * codes.scale.max()
+
+
+@needs_kernel
+def test_many_rows_multiply_the_files_exact_weights_in_float32():
+    """A prompt chunk's product dequantizes the codes with their fp16 scales (not the kernel's bfloat16 ones)."""
+    codes = Int4Codes.from_ggml(torch.from_numpy(ggml_blocks("Q4_1", 40, 160, seed=5)), "Q4_1")
+    x = torch.randn(INT4_ROWS + 1, 160, generator=torch.Generator().manual_seed(1))
+    oracle = x.double() @ codes.dequantize().double().t()
+    got = int4_linear(x, Int4Weight.pack(codes))
+    assert (got.double() - oracle).abs().max().item() <= 1e-5 * oracle.abs().max().item()
 
 
 @needs_kernel
