@@ -109,6 +109,24 @@ class KVLayerStore(Protocol):
         """q [T, q_heads, head_dim] -> attention output of the same shape and dtype."""
 
 
+def _page_runs(meta: AttentionMetadata, page_size: int) -> list[int | None]:
+    """Each sequence's first page where its pages are consecutive in the pool, else None: its K / V are then a view
+    of the pool, not a gather (a sequence that grew alone, as one chat stream does). Host block tables only (a
+    device's would sync); once a step."""
+    def build() -> list[int | None]:
+        if meta.block_tables.device.type != "cpu":
+            return [None] * len(meta.seq_lens_cpu)
+        runs = []
+        for row, seq_len in zip(meta.block_tables.numpy(), meta.seq_lens_cpu):
+            pages = row[: -(-seq_len // page_size)]
+            consecutive = len(pages) > 0 and int(pages[-1]) - int(pages[0]) == len(pages) - 1 and (
+                len(pages) == 1 or bool((pages[1:] - pages[:-1] == 1).all()))  # fmt: skip
+            runs.append(int(pages[0]) if consecutive else None)
+        return runs
+
+    return meta.step_value(f"page runs {page_size}", build)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -126,11 +144,13 @@ def paged_attention_reference(
     group = q.shape[1] // kv_heads
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
+    runs = _page_runs(meta, page_size)
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         if q_len == 0:
             continue
         n_pages = -(-seq_len // page_size)
-        pages = meta.block_tables[s, :n_pages].long()
+        first = runs[s]
+        pages = slice(first, first + n_pages) if first is not None else meta.block_tables[s, :n_pages].long()
         k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].float().transpose(0, 1)  # [kv_heads, seq_len, D]
         v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].float().transpose(0, 1)
         qs = q[starts[s] : starts[s] + q_len].float()

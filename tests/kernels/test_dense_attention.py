@@ -19,19 +19,21 @@ from server.kernels.dense_attention import (
     paged_prefill,
     write_kv_pages,
 )
-from server.kernels.paged_kv import AttentionMetadata, DenseKVStore, paged_attention_reference
+from server.kernels.paged_kv import AttentionMetadata, DenseKVStore, _page_runs, paged_attention_reference
 
 PAGE = 16
 # Context lengths the spec calls out: one token, two, around a page boundary, and a long one.
 EDGE_LENS = [1, 2, PAGE - 1, PAGE, PAGE + 1, 100]
 
 
-def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0, extra_pages=3, page=PAGE):
-    """Random pages in a shuffled pool (sequences own scattered, out-of-order pages) and metadata."""
+def make_batch(seq_lens, query_lens, q_heads, kv_heads, head_dim, dtype, seed=0, extra_pages=3, page=PAGE,
+               consecutive=False):  # fmt: skip
+    """Random pages in a shuffled pool (sequences own scattered, out-of-order pages; ``consecutive``: each owns
+    a run of the pool, as a sequence that grew alone does) and metadata."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page) for n in seq_lens]
     num_pages = sum(pages_per_seq) + extra_pages
-    order = torch.randperm(num_pages, generator=gen)
+    order = torch.arange(num_pages) if consecutive else torch.randperm(num_pages, generator=gen)
     max_pages = max(pages_per_seq + [1]) + 2  # padding columns past each sequence's pages
     block_tables = torch.full((len(seq_lens), max_pages), num_pages - 1, dtype=torch.int32)
     used = 0
@@ -120,6 +122,15 @@ def test_decode_matches_reference_and_oracle(head_dim, group):
     assert_close(reference, expected, tolerance(dtype), "reference vs float64 oracle")
     assert_close(fast, expected, tolerance(dtype), "Triton decode vs float64 oracle")
     assert_close(fast, reference, tolerance(dtype), "Triton decode vs reference")
+
+
+@pytest.mark.parametrize("query_lens", [[1] * len(EDGE_LENS), [1, 2, 3, 16, 1, 40]])
+def test_reference_over_consecutive_pages_reads_them_as_a_view(query_lens):
+    """Pages that are one run of the pool are read as a view, not gathered: the same answer."""
+    q, k_pages, v_pages, meta = make_batch(EDGE_LENS, query_lens, 6, 2, 64, torch.float32, consecutive=True)
+    assert all(run is not None for run in _page_runs(meta, PAGE))
+    assert_close(paged_attention_reference(q, k_pages, v_pages, meta, 0.125), oracle(q, k_pages, v_pages, meta, 0.125),
+                 1e-5, "reference over page runs vs float64 oracle")  # fmt: skip
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 16])
