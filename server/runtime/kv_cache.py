@@ -7,6 +7,7 @@ storage dtype is fixed here, once (DESIGN.md "KV cache").
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import logging
 import os
@@ -137,7 +138,10 @@ class KVCache:
                 f"needs {self.bytes_per_page} bytes ({k_kind}/{v_kind}); raise --kv-cache-memory"
             )
         self.stores: list[KVLayerStore] = [self._make_store(device, compute_dtype) for _ in range(layout.num_layers)]
-        self.free_pages: deque[int] = deque(range(self.num_pages))
+        # A min-heap: a sequence that grows alone gets consecutive pages, which the CPU's reference attention
+        # reads as a view instead of a gather (paged_kv.paged_attention_reference). First-in-first-out reuse
+        # scattered them once the pool had turned over: 6K-token decode on the 2-core CPU 23.6 -> 12.3 tok/s.
+        self.free_pages: list[int] = list(range(self.num_pages))
         self.free_recent_rows: deque[int] = deque(range(self.recent_rows))
 
     def _make_store(self, device: torch.device, compute_dtype: torch.dtype) -> KVLayerStore:
@@ -168,10 +172,11 @@ class KVCache:
                 raise RuntimeError(f"no recent-window row free for {seq.request_id}: check can_grow first")
             seq.recent_row = self.free_recent_rows.popleft()
         for _ in range(missing):
-            seq.block_table.append(self.free_pages.popleft())
+            seq.block_table.append(heapq.heappop(self.free_pages))
 
     def free(self, seq: Sequence) -> None:
-        self.free_pages.extend(seq.block_table.tolist())
+        for page in seq.block_table.tolist():
+            heapq.heappush(self.free_pages, page)
         seq.block_table.clear()
         if seq.recent_row is not None:
             self.free_recent_rows.append(seq.recent_row)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import deque
 
 import pytest
 import torch
@@ -52,15 +51,30 @@ def test_block_tables_grow_by_pages_and_free_returns_them():
     assert b.block_table == [] and kv.num_free_pages == 8
 
 
+def test_a_sequence_growing_alone_gets_consecutive_pages_after_the_pool_turned_over():
+    """The lowest free page first: a lone sequence's pages are one run of the pool whatever ran before it (the
+    CPU attention reads a run as a view). First-in-first-out reuse handed out the end of the pool, then its start."""
+    kv = pool(30 * 24_576)
+    for round in range(3):
+        before = Sequence(f"before{round}", [1], SamplingParams(), seed=0)
+        kv.grow(before, 16 * 20)
+        kv.free(before)
+        lone = Sequence(f"lone{round}", [1], SamplingParams(), seed=0)
+        for n in range(1, 15 * 16, 16):  # a page at a time, as decoding grows it
+            kv.grow(lone, n)
+        assert list(lone.block_table) == list(range(15))
+        kv.free(lone)
+    assert kv.num_free_pages == kv.num_pages
+
+
 def test_slots_follow_a_shuffled_block_table_across_many_pages():
     kv = pool(300 * 24_576, page_size=16)
     seq = Sequence("s", [1], SamplingParams(), seed=0)
-    free = list(kv.free_pages)
-    random.Random(0).shuffle(free)
-    kv.free_pages = deque(free)  # as pages come free in any order under load
-    kv.grow(seq, 70 * 16 + 5)  # past the table's first growth (16 entries)
+    shuffled = random.Random(0).sample(range(300), 71)  # as a table looks after pages come free in any order
+    for page in shuffled:  # past the table's first growth (16 entries)
+        seq.block_table.append(page)
     pages = list(seq.block_table)
-    assert len(pages) == 71 and len(set(pages)) == 71 and pages != sorted(pages)
+    assert pages == shuffled
     assert seq.block_table.array.dtype.name == "int32" and seq.block_table.array.tolist() == pages
     for start, n in ((0, 1), (15, 2), (3, 1000), (1100, 25)):
         assert kv.slots(seq, start, n) == [pages[p // 16] * 16 + p % 16 for p in range(start, start + n)]
