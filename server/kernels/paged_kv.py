@@ -119,8 +119,7 @@ def _page_runs(meta: AttentionMetadata, page_size: int) -> list[int | None]:
         runs = []
         for row, seq_len in zip(meta.block_tables.numpy(), meta.seq_lens_cpu):
             pages = row[: -(-seq_len // page_size)]
-            consecutive = len(pages) > 0 and int(pages[-1]) - int(pages[0]) == len(pages) - 1 and (
-                len(pages) == 1 or bool((pages[1:] - pages[:-1] == 1).all()))  # fmt: skip
+            consecutive = len(pages) > 0 and bool((pages[1:] - pages[:-1] == 1).all())
             runs.append(int(pages[0]) if consecutive else None)
         return runs
 
