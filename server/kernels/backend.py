@@ -37,6 +37,15 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in its AMX tiles: there a prompt-sized bf16 GEMM runs ~5x
+    faster than float32 (2048 x 576 x 3072 on the 2-core CI machine: 3.2 ms against 17.7); without AMX, bf16
+    GEMMs can be slower than float32."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, hence looked up; torch >= 2.3
+    return bool(probe is not None and probe())
+
+
 def inline_ptx(device: torch.device) -> bool:
     """Whether Triton kernels for ``device`` may use NVIDIA inline assembly (PRMT, LOP3, MUFU sin/cos):
     CUDA builds of torch only (not ROCm), and not in the CPU interpreter, which cannot run PTX."""

@@ -35,6 +35,9 @@ class AttentionMetadata:
     # [S] int32: each sequence's row of a turbo store's recent window (server/kernels/turbo/recent.py);
     # None where the cache keeps none
     recent_rows: torch.Tensor | None = None
+    # What the CPU reference multiplies a prompt chunk's attention in: float32 (the meaning), or bfloat16 where
+    # the engine asks for it (a CPU with AMX tiles: ~3x faster on a 2048-token prompt)
+    prompt_dtype: torch.dtype = torch.float32
     # What step_value built: index tensors every layer of an eager step would otherwise rebuild
     _step_values: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -84,6 +87,7 @@ def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Te
         seq_lens_cpu=[meta.seq_lens_cpu[s] for s in seqs],
         query_lens_cpu=[meta.query_lens_cpu[s] for s in seqs],
         recent_rows=None if meta.recent_rows is None else meta.recent_rows[picked],
+        prompt_dtype=meta.prompt_dtype,
     )
 
 
@@ -133,7 +137,7 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """The meaning of paged attention, in float32.
+    """The meaning of paged attention, in float32 (prompt chunks in ``meta.prompt_dtype``).
 
     k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] in any float dtype (a
     compressed store passes its pages decoded). GQA: query head h reads KV head
@@ -150,9 +154,10 @@ def paged_attention_reference(
         n_pages = -(-seq_len // page_size)
         first = runs[s]
         pages = slice(first, first + n_pages) if first is not None else meta.block_tables[s, :n_pages].long()
-        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].float().transpose(0, 1)  # [kv_heads, seq_len, D]
-        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].float().transpose(0, 1)
-        qs = q[starts[s] : starts[s] + q_len].float()
+        dtype = torch.float32 if q_len == 1 else meta.prompt_dtype
+        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].to(dtype).transpose(0, 1)  # [kv_heads, len, D]
+        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].to(dtype).transpose(0, 1)
+        qs = q[starts[s] : starts[s] + q_len].to(dtype)
         if q_len == 1:
             # GQA: a KV head's query heads as the rows of one query, [kv_heads, group, D]; one query sees every key
             o = F.scaled_dot_product_attention(qs.view(kv_heads, group, head_dim), k, v, scale=scale)

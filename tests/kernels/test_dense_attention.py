@@ -6,6 +6,7 @@ fp16/fp32: the interpreter's bf16 arithmetic is wrong (shared/ENVIRONMENT.md); b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -387,3 +388,19 @@ def test_prefill_falls_back_to_smaller_tiles_when_the_fastest_does_not_fit(monke
     assert sum("does not fit" in r.message for r in caplog.records) == 1
     assert_close(first, expected, 1e-5, "fallback tiles vs float64 oracle")
     assert_close(second, expected, 1e-5, "fallback tiles, second call")
+
+
+def test_reference_takes_prompt_chunks_in_bfloat16_when_asked():
+    """meta.prompt_dtype (the engine's choice on a CPU with AMX): a chunk of several queries attends in bfloat16,
+    within that rounding of the float64 oracle; a one-query row stays float32, as exact as without it."""
+    cases = [(1, 1), (17, 17), (40, 7), (100, 1), (90, 70)]
+    seq_lens, query_lens = zip(*cases)
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 8, 2, 64, torch.float32, seed=4)
+    got = paged_attention_reference(q, k_pages, v_pages, dataclasses.replace(meta, prompt_dtype=torch.bfloat16), 0.125)
+    expected = oracle(q, k_pages, v_pages, meta, 0.125)
+    rounded = oracle(*(x.bfloat16().float() for x in (q, k_pages, v_pages)), meta, 0.125)
+    one_query = torch.tensor([n == 1 for n in query_lens for _ in range(n)])
+    assert_close(got[one_query], expected[one_query], 1e-5, "one-query rows vs float64 oracle")
+    chunk_error = (got[~one_query].double() - expected[~one_query]).abs().max().item()
+    assert 1e-4 < chunk_error <= 2e-2, f"chunk rows: {chunk_error:.3g} from the oracle is not bfloat16's rounding"
+    assert_close(got[~one_query], rounded[~one_query], 1e-2, "chunk rows vs the oracle of bfloat16-rounded inputs")

@@ -80,3 +80,21 @@ def test_one_changed_code_changes_the_output():
     changed = int4_linear(x, Int4Weight.pack(codes))
     differs = (changed != base).squeeze(0)
     assert differs[5] and not differs[torch.arange(8) != 5].any()
+
+
+@needs_kernel
+def test_many_rows_multiply_a_bfloat16_copy_when_asked():
+    """bf16_prompts (a CPU with AMX): a prompt chunk's product takes x and the exact weight each rounded once to
+    bfloat16, with float32 sums; up to INT4_ROWS rows still take the int4 kernel."""
+    codes = Int4Codes.from_ggml(torch.from_numpy(ggml_blocks("Q4_1", 40, 160, seed=6)), "Q4_1")
+    weight = Int4Weight.pack(codes, bf16_prompts=True)
+    assert weight.dense.dtype == torch.bfloat16 and torch.equal(weight.dense, codes.dequantize().bfloat16())
+    x = torch.randn(INT4_ROWS + 1, 160, generator=torch.Generator().manual_seed(2))
+    got = int4_linear(x, weight)
+    rounded = x.bfloat16().double() @ codes.dequantize().bfloat16().double().t()
+    # the output itself is rounded to bfloat16 (half an ulp: 2^-9 relative) before it returns as float32
+    assert got.dtype == x.dtype and ((got.double() - rounded).abs() <= 2**-8 * rounded.abs() + 1e-6).all()
+    exact = x.double() @ codes.dequantize().double().t()
+    assert (got.double() - exact).abs().max() > 1e-5 * exact.abs().max()  # the rounding is there to see
+    few = x[:INT4_ROWS]
+    assert torch.equal(int4_linear(few, weight), int4_linear(few, Int4Weight.pack(codes)))
