@@ -96,6 +96,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_cpu_prompt_dtype(name: str, device: torch.device) -> torch.dtype:
+    """EngineConfig.cpu_prompt_dtype as a dtype; float32 on other devices, whose prompts run in the model's dtype."""
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name != "auto" and name not in choices:
+        raise ValueError(f"unknown cpu_prompt_dtype {name!r}; expected auto, float32 or bfloat16")
+    if device.type != "cpu":
+        return torch.float32
+    if name == "auto":
+        return torch.bfloat16 if backend.cpu_has_amx() else torch.float32
+    return choices[name]
+
+
 def _int64_seed(seed: int) -> int:
     """Any Python int as a signed 64-bit value (the sampler hashes all 64 bits)."""
     seed %= 1 << 64
@@ -133,14 +145,16 @@ class Engine:
         calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                            self.device, dtype, self.max_model_len, key_pairs if offset else None,
                            config.kv_balance and turbo)
+        prompt_dtype = resolve_cpu_prompt_dtype(config.cpu_prompt_dtype, self.device)
         if self.device.type == "cpu" and config.cpu_int4 and owns_model:  # after the balance is folded
-            self._use_int4_weights(loaded)
+            self._use_int4_weights(loaded, prompt_dtype == torch.bfloat16)
         if not turbo and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)
         self.scheduler = Scheduler(config, self.kv_cache)
         graph_batch = 0 if config.enforce_eager else config.max_num_seqs
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len, graph_batch)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.max_model_len, graph_batch,
+                                  prompt_dtype)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._seed_source = random.Random(config.seed)
         self._cond = threading.Condition()
@@ -168,17 +182,18 @@ class Engine:
         )  # fmt: skip
 
     @staticmethod
-    def _use_int4_weights(loaded: LoadedModel) -> None:
+    def _use_int4_weights(loaded: LoadedModel, bf16_prompts: bool) -> None:
         from server.kernels import int4_cpu
         from server.runtime.models.int4_weights import use_int4_weights
 
         if not int4_cpu.supported():
             log.info("CPU: this torch has no int4 kernel (torch >= 2.6); 4-bit weights are dequantized")
             return
-        mlps, attentions = use_int4_weights(loaded.model, loaded.raw_weights)
+        mlps, attentions = use_int4_weights(loaded.model, loaded.raw_weights, bf16_prompts)
         if mlps or attentions:
-            log.info("CPU: %d MLPs and %d attentions multiply their 4-bit blocks as stored (bf16 activations; "
-                     "--no-cpu-int4 dequantizes them to the compute dtype)", mlps, attentions)  # fmt: skip
+            log.info("CPU: %d MLPs and %d attentions multiply their 4-bit blocks as stored (bf16 activations), "
+                     "prompt chunks in %s; --no-cpu-int4 dequantizes them to the compute dtype", mlps, attentions,
+                     "bf16" if bf16_prompts else "float32")  # fmt: skip
 
     def _report_setup(self, loaded: LoadedModel, layout: KVLayout, key_pairs: int) -> None:
         kv = self.kv_cache

@@ -94,8 +94,10 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, max_model_len: int,
         max_graph_batch: int = 0,  # decode batches up to this size replay CUDA graphs; 0: always eager
+        prompt_dtype: torch.dtype = torch.float32,  # of a CPU step's prompt attention (AttentionMetadata)
     ):  # fmt: skip
         self.model = model
+        self.prompt_dtype = prompt_dtype
         self.kv_cache = kv_cache
         self.device = device
         self.max_pages_per_seq = kv_cache.pages_for(max_model_len)  # the graphs' block-table width
@@ -155,6 +157,7 @@ class ModelRunner:
             seq_lens_cpu=batch.seq_lens,
             query_lens_cpu=batch.query_lens,
             recent_rows=flat[3 * t + s : 3 * t + 2 * s].to(torch.int32),
+            prompt_dtype=self.prompt_dtype,
         )
         return StepInputs(flat[:t], flat[t : 2 * t], meta)
 

@@ -8,11 +8,12 @@ import torch
 
 from paged_batch import PagedBatch, greedy
 from server.config import EngineConfig
-from server.kernels import int4_cpu
+from server.kernels import backend, int4_cpu
 from server.runtime.engine import Engine
 from server.runtime.models.int4_weights import use_int4_weights
 from server.runtime.models.llama import DenseMLP
 from server.runtime.models.loader import load_model
+from server.runtime.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not int4_cpu.supported(), reason="this torch has no _weight_int4pack_mm_for_cpu")
 
@@ -79,6 +80,27 @@ def test_the_engine_flag_decides(cpu_int4):
     engine = Engine(EngineConfig(device="cpu", cpu_int4=cpu_int4, kv_cache_memory=1 << 24))
     assert all((layer.mlp.int4 is not None) == cpu_int4 for layer in engine.model.layers)
     assert all((layer.self_attn.int4 is not None) == cpu_int4 for layer in engine.model.layers)
+
+
+@pytest.mark.parametrize("asked, amx, want", [("bfloat16", False, torch.bfloat16), ("float32", True, torch.float32),
+                                              ("auto", True, torch.bfloat16), ("auto", False, torch.float32)])
+def test_prompt_chunks_multiply_in_the_dtype_asked_or_bfloat16_where_the_cpu_has_amx(monkeypatch, asked, amx, want):
+    monkeypatch.setattr(backend, "cpu_has_amx", lambda: amx)
+    engine = Engine(EngineConfig(device="cpu", cpu_prompt_dtype=asked, kv_cache_memory=1 << 24))
+    assert engine.runner.prompt_dtype == want
+    weights = [w for layer in engine.model.layers for w in layer.mlp.int4 + layer.self_attn.int4]
+    assert all((w.dense is not None) == (want == torch.bfloat16) for w in weights)
+    if want == torch.bfloat16:  # a prompt longer than INT4_ROWS goes through the bfloat16 copies
+        prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(QUESTION))
+        assert len(prompt) > int4_cpu.INT4_ROWS
+        out = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        engine.shutdown()
+        assert out.text.startswith("The capital of France is Paris"), out.text
+
+
+def test_an_unknown_prompt_dtype_is_refused():
+    with pytest.raises(ValueError, match="cpu_prompt_dtype"):
+        Engine(EngineConfig(device="cpu", cpu_prompt_dtype="float16", kv_cache_memory=1 << 24))
 
 
 def test_a_model_handed_to_an_engine_keeps_its_float_weights():

@@ -135,6 +135,9 @@ def make_engine(loaded: ToyLoaded, num_pages: int = 512, **config) -> "Engine":
     # On a CPU the engine launches nothing ahead unless asked; the tests ask, so that every engine test also runs
     # the steps scheduled ahead (test_async_scheduling.py checks the default).
     config.setdefault("async_scheduling", True)
+    # The tests compare runs whose prompts are chunked differently (preemption, budgets): exactly, in float32. In
+    # bfloat16 (the default on a CPU with AMX) each chunking rounds its own way.
+    config.setdefault("cpu_prompt_dtype", "float32")
     engine = Engine(EngineConfig(kv_cache_memory=num_pages * BYTES_PER_PAGE, page_size=PAGE_SIZE, **config), loaded)
     engine.start()
     return engine

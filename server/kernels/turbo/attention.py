@@ -709,7 +709,7 @@ def attention_over_decoded_pages(q: torch.Tensor, k_pages: TurboPages, v_pages: 
         return paged_prefill(q, k, v, tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
                              exact=exact)
     compact_meta = AttentionMetadata(meta.slot_mapping, tables, meta.seq_lens, meta.query_start_loc,
-                                     meta.seq_lens_cpu, meta.query_lens_cpu)
+                                     meta.seq_lens_cpu, meta.query_lens_cpu, prompt_dtype=meta.prompt_dtype)
     if fast:
         return dense_paged_attention(q, k, v, compact_meta, scale)
     return paged_attention_reference(q, k, v, compact_meta, scale)

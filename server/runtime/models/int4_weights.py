@@ -17,22 +17,24 @@ from server.runtime.models.gguf_loader import RawTensor
 from server.runtime.models.llama import Attention, DenseMLP
 
 
-def use_int4_weights(model: nn.Module, raw: dict[str, RawTensor]) -> tuple[int, int]:
+def use_int4_weights(model: nn.Module, raw: dict[str, RawTensor], bf16_prompts: bool = False) -> tuple[int, int]:
     """Give every dense MLP and unbalanced attention whose projections are all Q4_0 / Q4_1 blocks in the file
-    (``raw``: LoadedModel's raw_weights) those blocks as its weights, and drop its float copies. Returns how many
-    (MLPs, attentions) changed."""
+    (``raw``: LoadedModel's raw_weights) those blocks as its weights, and drop its float copies. bf16_prompts:
+    prompt chunks multiply them in bfloat16 (Int4Weight.pack). Returns how many (MLPs, attentions) changed."""
     mlps = attentions = 0
     for i, layer in enumerate(model.layers):
         mlp, attention = layer.mlp, layer.self_attn
         codes = _codes(raw, f"layers.{i}.mlp.", ("gate", "up", "down"))
         if isinstance(mlp, DenseMLP) and codes is not None:
-            mlp.int4 = (Int4Weight.pack(Int4Codes.cat(codes[:2])), Int4Weight.pack(codes[2]))
+            mlp.int4 = (Int4Weight.pack(Int4Codes.cat(codes[:2]), bf16_prompts),
+                        Int4Weight.pack(codes[2], bf16_prompts))
             mlp.gate_up_proj = mlp.down_proj = None
             mlps += 1
         codes = _codes(raw, f"layers.{i}.self_attn.", ("q", "k", "v", "o"))
         if isinstance(attention, Attention) and attention.key_scale is None and attention.value_scale is None \
                 and codes is not None:  # fmt: skip
-            attention.int4 = (Int4Weight.pack(Int4Codes.cat(codes[:3])), Int4Weight.pack(codes[3]))
+            attention.int4 = (Int4Weight.pack(Int4Codes.cat(codes[:3]), bf16_prompts),
+                              Int4Weight.pack(codes[3], bf16_prompts))
             attention.qkv_proj.weight = attention.o_proj.weight = None  # biases stay: added to the products
             attentions += 1
     return mlps, attentions

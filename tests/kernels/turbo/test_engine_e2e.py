@@ -80,8 +80,9 @@ def test_mixed_turbo4_keys_turbo3_values(loaded):
 
 def prose_nlls(loaded, kv_cache_dtype: str, **overrides) -> tuple[torch.Tensor, str]:
     """Negative log-likelihood of each PROSE token after the first, and the engine's balance label. No recent
-    window unless asked: it reads a third of PROSE's keys exactly, which would hide what the pages lose."""
-    overrides = {"kv_recent_window": 0, "max_num_batched_tokens": 512, **overrides}
+    window unless asked: it reads a third of PROSE's keys exactly, which would hide what the pages lose. Prompts
+    attend in float32 even on a CPU with AMX: the f32 cache is the exact model the others are measured against."""
+    overrides = {"kv_recent_window": 0, "max_num_batched_tokens": 512, "cpu_prompt_dtype": "float32", **overrides}
     config = EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=64 << 20, max_model_len=1024, **overrides)
     engine = Engine(config, loaded=loaded)
     engine.start()
