@@ -159,8 +159,11 @@ def paged_attention_reference(
         v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].to(dtype).transpose(0, 1)
         qs = q[starts[s] : starts[s] + q_len].to(dtype)
         if q_len == 1:
-            # GQA: a KV head's query heads as the rows of one query, [kv_heads, group, D]; one query sees every key
-            o = F.scaled_dot_product_attention(qs.view(kv_heads, group, head_dim), k, v, scale=scale)
+            # GQA: a KV head's query heads as the rows of one query, [kv_heads, group, D]; one query sees every key.
+            # Two batched products over the pages' strided view: SDPA's path for it took 1.5x as long (6000
+            # tokens, 3 KV heads of 64 dims, 2-core CPU: 709 against 483 us).
+            scores = torch.einsum("hgd,htd->hgt", qs.view(kv_heads, group, head_dim), k) * scale
+            o = torch.einsum("hgt,htd->hgd", torch.softmax(scores, dim=-1), v)
         else:
             # Query i sits at position seq_len - q_len + i and sees the keys up to it. Each query head gets its KV
             # head's keys (a copy), so that the causal case is SDPA's own (its fused CPU kernel): stacking a KV
