@@ -52,9 +52,15 @@ def check_group(group: int, signs: tuple[SignWords, SignWords]) -> None:
 
 
 def sign_bits(words: SignWords, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The first ``group`` sign bits as int32 0/1 (1 means -1), element e from bit e & 31 of word e >> 5."""
+    """The first ``group`` sign bits as int32 0/1 (1 means -1), element e from bit e & 31 of word e >> 5.
+    Cached per table, group and device (the CPU reference rotates a few rows per layer and step): do not modify."""
+    return _sign_bits(tuple(int(x) & 0xFFFFFFFF for x in words), group, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _sign_bits(words: tuple[int, ...], group: int, device: torch.device) -> torch.Tensor:
     e = torch.arange(group)
-    w = torch.tensor([int(x) & 0xFFFFFFFF for x in words], dtype=torch.int64)
+    w = torch.tensor(words, dtype=torch.int64)
     return ((w[e >> 5] >> (e & 31)) & 1).to(torch.int32).to(device)
 
 

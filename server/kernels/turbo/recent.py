@@ -31,8 +31,11 @@ import torch
 from server.kernels.host_copy import to_device_together
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate, rotate_reference
-from server.kernels.turbo.format import dequantize_reference, group_size
+from server.kernels.turbo.format import dequantize_rotated, group_size
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+
+
+_QUERY_BLOCK = 128  # the reference's query rows per block (CPU serving runs it; cache-sized scores)
 
 
 @dataclass
@@ -106,6 +109,10 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
     write (or after a decode step's: the only row that write changes is no longer read exactly).
     step_k_rows / step_v_rows [T, kv_heads, D]: recent_values of this step's k and v, the exact values of its
     own positions. ``key_offset``: o(p) added back to every key (pass it when it varies with p, as the store).
+
+    Computed where the values are stored, in the rotated domain (the CPU serves through this): the rotation R is
+    orthogonal, so <q, R^T k> = <R q, k> and sum_j p_j R^T v_j = R^T sum_j p_j v_j. Q is rotated once, the output
+    rotated back once, and no cached token is rotated. The offset's term <q, o(p)> is added in the original domain.
     """
     head_dim, size = q.shape[-1], recent.size
     group = group_size(head_dim)
@@ -116,32 +123,43 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
         if q_len == 0:
             continue
-        first = seq_len - q_len
+        first, start = seq_len - q_len, starts[s]
         pages = meta.block_tables[s, : -(-seq_len // page_size)].long()
         positions = torch.arange(seq_len, device=q.device)
-        offset = key_offset_at(key_offset, positions) if key_offset is not None else 0.0
 
-        def paged(pages_of, kind):  # [seq_len, kv_heads, D] in the original domain
-            x = dequantize_reference(pages_of.codes[pages], pages_of.norms[pages], kind, head_dim)
+        def paged(pages_of, kind):  # [seq_len, kv_heads, D], rotated
+            x = dequantize_rotated(pages_of.codes[pages], pages_of.norms[pages], kind, head_dim)
             return x.transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
 
-        def exact(ring, step_rows):  # ring rows before the chunk, the step's own after it
-            rows = ring[rows_of_seq[s]][positions % size].float()
-            rows[first:] = step_rows[starts[s] : starts[s] + q_len].float()
-            return rotate_reference(rows, group, inverse=True)
+        exact_from = max(first - size + 1, 0)  # the first position any of the chunk's queries reads exactly
 
-        k_quant, v_quant = paged(k_pages, k_kind) + offset, paged(v_pages, v_kind)
-        k_exact, v_exact = exact(recent.k, step_k_rows) + offset, exact(recent.v, step_v_rows)
-        qs = q[starts[s] : starts[s] + q_len].float()
-        t = torch.arange(first, seq_len, device=q.device)[None, :, None]  # [1, q_len, 1]
-        j = positions[None, None, :]
-        near = j > t - size
-        heads = lambda x: x.repeat_interleave(gqa, dim=1)  # noqa: E731  [seq_len, q_heads, D]
-        scores = torch.where(near, torch.einsum("qhd,khd->hqk", qs, heads(k_exact)),
-                             torch.einsum("qhd,khd->hqk", qs, heads(k_quant))) * scale
-        probs = torch.softmax(scores.masked_fill(j > t, float("-inf")), dim=-1)
-        out[starts[s] : starts[s] + q_len] = (
-            torch.einsum("hqk,khd->qhd", probs * near, heads(v_exact))
-            + torch.einsum("hqk,khd->qhd", probs * ~near, heads(v_quant))
-        ).to(q.dtype)
+        def exact(ring, step_rows):  # positions [exact_from, seq_len): ring rows before the chunk, the step's own
+            ring_part = ring[rows_of_seq[s]][positions[exact_from:first] % size]
+            return torch.cat((ring_part, step_rows[start : start + q_len])).float()
+
+        k_quant, v_quant = paged(k_pages, k_kind), paged(v_pages, v_kind)
+        k_exact, v_exact = exact(recent.k, step_k_rows), exact(recent.v, step_v_rows)
+        offset = key_offset_at(key_offset, positions) if key_offset is not None else None
+        qs = q[start : start + q_len].float()
+        q_rot = rotate_reference(qs, group)
+        for b0 in range(0, q_len, _QUERY_BLOCK):  # blocks of queries: the scores stay cache-sized, causal keys only
+            b1 = min(b0 + _QUERY_BLOCK, q_len)
+            keys, near_from = first + b1, max(first + b0 - size + 1, 0)
+            by_kv = lambda x: x[b0:b1].reshape(b1 - b0, kv_heads, gqa, head_dim)  # noqa: E731
+            dots = lambda qx, kx: torch.einsum("qkgd,jkd->kgqj", by_kv(qx), kx)  # noqa: E731  [kv, gqa, q, keys]
+            t = torch.arange(first + b0, first + b1, device=q.device)[:, None]  # [q, 1]
+            j = positions[:keys]
+            near = j[near_from:] > t - size  # [q, keys - near_from]
+            scores = dots(q_rot, k_quant[:keys])
+            exact_keys = slice(near_from - exact_from, keys - exact_from)
+            scores[..., near_from:] = torch.where(near, dots(q_rot, k_exact[exact_keys]), scores[..., near_from:])
+            if offset is not None:
+                scores += dots(qs, offset[:keys])
+            probs = torch.softmax((scores * scale).masked_fill(j > t, float("-inf")), dim=-1)
+            probs_near = probs[..., near_from:] * near
+            probs[..., near_from:] *= ~near
+            acc = (torch.einsum("kgqj,jkd->qkgd", probs, v_quant[:keys])
+                   + torch.einsum("kgqj,jkd->qkgd", probs_near, v_exact[exact_keys]))
+            acc = rotate_reference(acc.reshape(b1 - b0, -1, head_dim), group, inverse=True)
+            out[start + b0 : start + b1] = acc.to(q.dtype)
     return out

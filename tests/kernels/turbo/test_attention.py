@@ -118,7 +118,9 @@ def test_decoded_tile_column_order_and_merge_tiles_do_not_change_the_result(monk
     args = (q, store.k, store.v, meta, 128**-0.5, store.signs, store.inv_sqrt)
     natural = decode_attention_triton(*args, num_splits=5, column_order={})
     reordered = {(3, 128): (3, 1, 0, 2), (4, 128): (1, 3, 2, 0)}
-    assert_close(decode_attention_triton(*args, num_splits=5, column_order=reordered), natural.double(), 1e-6,
+    # 1e-5: a reordered float32 dot rounds differently (the interpreter's tl.dot is numpy's BLAS, whose summation
+    # order changes between builds); a wrong permutation errs by the output's scale, ~0.3.
+    assert_close(decode_attention_triton(*args, num_splits=5, column_order=reordered), natural.double(), 1e-5,
                  "reordered columns vs natural order")
     assert_close(natural, oracle(q, store, meta, 128**-0.5), 2e-5, "natural order vs float64")
     monkeypatch.setattr(attention, "MERGE_SPLIT_TILE", 2)  # 5 splits: tiles of 2, 2 and 1
