@@ -96,14 +96,11 @@ def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
     return ((words[..., None] >> (8 * torch.arange(4, device=fields.device))) & 0xFF).to(torch.uint8).flatten(-2)
 
 
-def _unpack_fields(packed: torch.Tensor, width: int) -> torch.Tensor:
-    per_word = 32 // width
-    # nibble k of a word is in byte k // 2 at bit 4 (k % 2): int32 shifts of bytes, no 64-bit words
-    nibble_bytes = packed.reshape(*packed.shape[:-1], -1, 4).to(torch.int32).repeat_interleave(2, dim=-1)
-    k = torch.arange(8, device=packed.device, dtype=torch.int32)
-    shifts = 4 * (k % 2) + width * torch.arange(per_word // 8, device=packed.device, dtype=torch.int32)[:, None]
-    f = (nibble_bytes[..., None, :] >> shifts) & ((1 << width) - 1)
-    return f.reshape(*packed.shape[:-1], -1)
+def _unpack_words(words: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 words [..., n] -> their ``width``-bit fields, int32 [..., n * 32 / width]: value k + 8 i of a word at
+    bits 4 k + width i (the layout above), one shift and mask for all of them."""
+    v = torch.arange(32 // width, device=words.device, dtype=torch.int32)
+    return ((words[..., None] >> (4 * (v % 8) + width * (v // 8))) & ((1 << width) - 1)).flatten(-2)
 
 
 def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
@@ -115,11 +112,11 @@ def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_indices(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     """uint8 [..., D * bits / 8] -> int32 indices [..., D]."""
+    # The bytes as the layout's little-endian words (the byte order of every host torch runs us on).
+    words = packed.contiguous().view(torch.int32)
     if bits == 3:
-        low = _unpack_fields(packed[..., : head_dim // 4], 2)
-        high = _unpack_fields(packed[..., head_dim // 4 :], 1)
-        return low | (high << 2)
-    return _unpack_fields(packed, bits)
+        return _unpack_words(words[..., : head_dim // 16], 2) | (_unpack_words(words[..., head_dim // 16 :], 1) << 2)
+    return _unpack_words(words, bits)
 
 
 def quantize_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

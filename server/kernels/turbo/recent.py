@@ -127,39 +127,40 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
         pages = meta.block_tables[s, : -(-seq_len // page_size)].long()
         positions = torch.arange(seq_len, device=q.device)
 
-        def paged(pages_of, kind):  # [seq_len, kv_heads, D], rotated
-            x = dequantize_rotated(pages_of.codes[pages], pages_of.norms[pages], kind, head_dim)
-            return x.transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
+        def paged(pages_of, kind):  # [kv_heads, seq_len, D], rotated: a KV head's keys one matrix
+            codes, norms = (x[pages].transpose(0, 1).flatten(1, 2)[:, :seq_len]
+                            for x in (pages_of.codes, pages_of.norms))
+            return dequantize_rotated(codes, norms, kind, head_dim)
 
         exact_from = max(first - size + 1, 0)  # the first position any of the chunk's queries reads exactly
 
-        def exact(ring, step_rows):  # positions [exact_from, seq_len): ring rows before the chunk, the step's own
+        def exact(ring, step_rows):  # [kv_heads, positions exact_from.., D]: ring rows before the chunk, the step's own
             ring_part = ring[rows_of_seq[s]][positions[exact_from:first] % size]
-            return torch.cat((ring_part, step_rows[start : start + q_len])).float()
+            return torch.cat((ring_part, step_rows[start : start + q_len])).float().transpose(0, 1)
 
         k_quant, v_quant = paged(k_pages, k_kind), paged(v_pages, v_kind)
         k_exact, v_exact = exact(recent.k, step_k_rows), exact(recent.v, step_v_rows)
-        offset = key_offset_at(key_offset, positions) if key_offset is not None else None
+        offset = key_offset_at(key_offset, positions).transpose(0, 1) if key_offset is not None else None
         qs = q[start : start + q_len].float()
         q_rot = rotate_reference(qs, group)
         for b0 in range(0, q_len, _QUERY_BLOCK):  # blocks of queries: the scores stay cache-sized, causal keys only
             b1 = min(b0 + _QUERY_BLOCK, q_len)
             keys, near_from = first + b1, max(first + b0 - size + 1, 0)
             by_kv = lambda x: x[b0:b1].reshape(b1 - b0, kv_heads, gqa, head_dim)  # noqa: E731
-            dots = lambda qx, kx: torch.einsum("qkgd,jkd->kgqj", by_kv(qx), kx)  # noqa: E731  [kv, gqa, q, keys]
+            dots = lambda qx, kx: torch.einsum("qkgd,kjd->kgqj", by_kv(qx), kx)  # noqa: E731  [kv, gqa, q, keys]
             t = torch.arange(first + b0, first + b1, device=q.device)[:, None]  # [q, 1]
             j = positions[:keys]
             near = j[near_from:] > t - size  # [q, keys - near_from]
-            scores = dots(q_rot, k_quant[:keys])
+            scores = dots(q_rot, k_quant[:, :keys])
             exact_keys = slice(near_from - exact_from, keys - exact_from)
-            scores[..., near_from:] = torch.where(near, dots(q_rot, k_exact[exact_keys]), scores[..., near_from:])
+            scores[..., near_from:] = torch.where(near, dots(q_rot, k_exact[:, exact_keys]), scores[..., near_from:])
             if offset is not None:
-                scores += dots(qs, offset[:keys])
+                scores += dots(qs, offset[:, :keys])
             probs = torch.softmax((scores * scale).masked_fill(j > t, float("-inf")), dim=-1)
             probs_near = probs[..., near_from:] * near
             probs[..., near_from:] *= ~near
-            acc = (torch.einsum("kgqj,jkd->qkgd", probs, v_quant[:keys])
-                   + torch.einsum("kgqj,jkd->qkgd", probs_near, v_exact[exact_keys]))
+            acc = (torch.einsum("kgqj,kjd->qkgd", probs, v_quant[:, :keys])
+                   + torch.einsum("kgqj,kjd->qkgd", probs_near, v_exact[:, exact_keys]))
             acc = rotate_reference(acc.reshape(b1 - b0, -1, head_dim), group, inverse=True)
             out[start + b0 : start + b1] = acc.to(q.dtype)
     return out

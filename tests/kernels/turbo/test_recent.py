@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from server.kernels.paged_kv import AttentionMetadata
+from server.kernels.turbo import recent
 from server.kernels.turbo.format import dequantize_reference, quantize_reference
 from server.kernels.turbo.key_offset import KeyOffset
 from server.kernels.turbo.store import TurboKVStore
@@ -88,7 +89,10 @@ def shuffled_tables(lengths, pages=64, seed=0):
 
 @pytest.mark.parametrize("head_dim,kv_heads,gqa", [(64, 1, 1), (64, 2, 3), (128, 1, 4)])
 @pytest.mark.parametrize("window", [1, 5, 8])
-def test_a_query_reads_its_last_w_positions_exactly_and_the_rest_from_pages(head_dim, kv_heads, gqa, window):
+@pytest.mark.parametrize("query_block", [128, 3])  # 3: the reference's query blocks end inside chunks and windows
+def test_a_query_reads_its_last_w_positions_exactly_and_the_rest_from_pages(head_dim, kv_heads, gqa, window,
+                                                                            query_block, monkeypatch):
+    monkeypatch.setattr(recent, "_QUERY_BLOCK", query_block)
     torch.manual_seed(head_dim + window + gqa)
     n = 23  # crosses pages of 4 and windows of 5 and 8 at odd places
     q, k, v = (torch.randn(n, h, head_dim) for h in (kv_heads * gqa, kv_heads, kv_heads))
