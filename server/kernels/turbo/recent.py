@@ -134,7 +134,7 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
 
         exact_from = max(first - size + 1, 0)  # the first position any of the chunk's queries reads exactly
 
-        def exact(ring, step_rows):  # [kv_heads, positions exact_from.., D]: ring rows before the chunk, the step's own
+        def exact(ring, step_rows):  # [kv_heads, exact_from.., D]: the ring's rows before the chunk, then the step's
             ring_part = ring[rows_of_seq[s]][positions[exact_from:first] % size]
             return torch.cat((ring_part, step_rows[start : start + q_len])).float().transpose(0, 1)
 
