@@ -148,6 +148,10 @@ class Engine:
         prompt_dtype = resolve_cpu_prompt_dtype(config.cpu_prompt_dtype, self.device)
         if self.device.type == "cpu" and config.cpu_int4 and owns_model:  # after the balance is folded
             self._use_int4_weights(loaded, prompt_dtype == torch.bfloat16)
+        if turbo and self.device.type == "cpu":
+            log.warning("%s KV on a CPU runs the torch reference: it holds %.1fx the tokens of bf16 KV, but decodes "
+                        "several times slower (docs/BENCHMARKS.md, \"End to end\")", k_kind,
+                        bytes_per_token(layout, "bf16", "bf16") / self.kv_cache.bytes_per_token)
         if not turbo and config.kv_key_offset != DEFAULT_KV_KEY_OFFSET:
             log.warning("--kv-key-offset %s ignored: it applies to turbo K caches, and K is stored as %s",
                         config.kv_key_offset, k_kind)
