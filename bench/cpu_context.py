@@ -1,9 +1,10 @@
 """The embedded model served on this machine's CPU, by context length: `python bench/cpu_context.py`.
 
 Per prompt length (--contexts, default 32,2048,6000): one request's time to its first token (the prompt's
-prefill, in the engine's chunks) and its decode tokens/s after it (32 greedy tokens after the first). The engine is the one `turboserve serve` builds (`build_engine`: off the main thread), with
-max_model_len 8192; --no-cpu-int4, --cpu-prompt-dtype and --kv-cache-dtype as the server's flags. Prints; records
-nothing.
+prefill, in the engine's chunks) and its decode tokens/s after it (32 greedy tokens after the first). The engine
+is the one `turboserve serve` builds (`build_engine`: off the main thread), with max_model_len 8192;
+--no-cpu-int4, --cpu-prompt-dtype, --cpu-logits-dtype and --kv-cache-dtype as the server's flags. Prints;
+records nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def main() -> int:
     p.add_argument("--contexts", default="32,2048,6000")
     p.add_argument("--no-cpu-int4", dest="cpu_int4", action="store_false")
     p.add_argument("--cpu-prompt-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--cpu-logits-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args()
     config = EngineConfig(device="cpu", max_model_len=8192, cpu_int4=args.cpu_int4,
-                          cpu_prompt_dtype=args.cpu_prompt_dtype, kv_cache_dtype=args.kv_cache_dtype)
+                          cpu_prompt_dtype=args.cpu_prompt_dtype, cpu_logits_dtype=args.cpu_logits_dtype,
+                          kv_cache_dtype=args.kv_cache_dtype)
     engine = build_engine(config)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     try:

@@ -126,10 +126,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_argument(parser, "--no-cpu-int4", dest="cpu_int4", action="store_false",
                  help="on a CPU, dequantize a GGUF's Q4_0/Q4_1 projections to the compute dtype instead of "
                       "multiplying the 4-bit blocks as stored (torch's int4 kernel, bf16 activations; prompt "
-                      "chunks in bf16 where the CPU has AMX)")
+                      "chunks in bf16 where the CPU multiplies it natively)")
     add_argument(parser, "--cpu-prompt-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                  help="on a CPU, what prompt chunks' attention and 4-bit projections multiply in (inputs rounded, "
-                      "float32 sums); auto: bfloat16 where the CPU has AMX tiles, else float32")
+                      "float32 sums); auto: bfloat16 where the CPU multiplies it natively (AMX, AVX512-BF16)")
+    add_argument(parser, "--cpu-logits-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                 help="on a CPU, what the LM head multiplies in; bfloat16 keeps a copy of the head (2 bytes a "
+                      "weight) and halves what its GEMV reads a step; auto as --cpu-prompt-dtype")
     add_argument(parser, "--no-async-scheduling", dest="async_scheduling", action="store_false",
                  help="read each step's tokens back before launching the next (default: async on CUDA devices)")
     add_argument(parser, "--kernel-timing-sample-rate", type=float, default=0.01,
@@ -147,7 +150,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue, seed=args.seed,
         enforce_eager=args.enforce_eager, cpu_int4=args.cpu_int4,
-        cpu_prompt_dtype=args.cpu_prompt_dtype,
+        cpu_prompt_dtype=args.cpu_prompt_dtype, cpu_logits_dtype=args.cpu_logits_dtype,
         async_scheduling=None if args.async_scheduling else False,  # the flag only turns it off; default: by device
         kernel_timing_sample_rate=args.kernel_timing_sample_rate)
 

@@ -40,12 +40,16 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # disable CUDA graphs
     # On a CPU, multiply a GGUF's Q4_0 / Q4_1 projections as stored (runtime/models/int4_weights.py), not
-    # dequantized, and prompt chunks through a bf16 copy where the CPU has AMX; in a model the engine loads itself
-    # (one handed to it keeps its float weights)
+    # dequantized, and prompt chunks through a bf16 copy where cpu_prompt_dtype says; in a model the engine loads
+    # itself (one handed to it keeps its float weights)
     cpu_int4: bool = True
     # What a CPU multiplies prompt chunks in (their attention and the 4-bit projections' GEMMs): "float32", or
-    # "bfloat16" (inputs rounded, float32 sums); "auto": bfloat16 where the CPU has AMX tiles (~5x the float32 GEMM)
+    # "bfloat16" (inputs rounded, float32 sums); "auto": bfloat16 where the CPU multiplies it natively (AMX tiles or
+    # AVX512-BF16: 4-5x the float32 GEMM)
     cpu_prompt_dtype: str = "auto"
+    # What a CPU multiplies the LM head in, the same choices: bfloat16 keeps a copy of the head and halves the bytes
+    # its GEMV streams each decode step
+    cpu_logits_dtype: str = "auto"
     # Launch the next step before reading this one's tokens back. None: where kernels run behind the host (CUDA);
     # on a CPU the launch is the computation, and running the next step first only delays this one's tokens.
     async_scheduling: bool | None = None

@@ -11,7 +11,8 @@ takes bfloat16 activations, scales and zeros (float16 and float32 take a scalar 
 CI machine): the scales and zeros round to bfloat16 (a relative 2^-9, a few percent of a quantization step) and
 the activations are rounded to bfloat16 for the product. `int4_linear_reference` is that meaning in float32.
 Products of many rows (prompt chunks) take a GEMM on the weight dequantized exactly (`int4_linear`): in float32,
-or, where the CPU has AMX tiles, in bfloat16 on a copy rounded once (~5x faster; backend.cpu_has_amx).
+or, where the CPU multiplies bf16 natively, in bfloat16 on a copy rounded once (4-5x faster;
+backend.cpu_multiplies_bf16).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Int4Weight:
 
     @staticmethod
     def pack(codes: Int4Codes, bf16_prompts: bool = False) -> Int4Weight:
-        """bf16_prompts: multiply many-row products in bfloat16 (for a CPU with AMX: backend.cpu_has_amx)."""
+        """bf16_prompts: multiply many-row products in bfloat16 (backend.cpu_multiplies_bf16)."""
         n, k = codes.q.shape
         if k % GROUP:
             raise ValueError(f"in_features {k} is not a multiple of the {GROUP}-input group")

@@ -96,15 +96,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_cpu_prompt_dtype(name: str, device: torch.device) -> torch.dtype:
-    """EngineConfig.cpu_prompt_dtype as a dtype; float32 on other devices, whose prompts run in the model's dtype."""
+def resolve_cpu_dtype(name: str, field: str, device: torch.device) -> torch.dtype:
+    """EngineConfig's ``field`` (cpu_prompt_dtype, cpu_logits_dtype) as a dtype; float32 on other devices, which
+    run those products in the model's dtype. auto: bfloat16 where the CPU multiplies it natively."""
     choices = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if name != "auto" and name not in choices:
-        raise ValueError(f"unknown cpu_prompt_dtype {name!r}; expected auto, float32 or bfloat16")
+        raise ValueError(f"unknown {field} {name!r}; expected auto, float32 or bfloat16")
     if device.type != "cpu":
         return torch.float32
     if name == "auto":
-        return torch.bfloat16 if backend.cpu_has_amx() else torch.float32
+        return torch.bfloat16 if backend.cpu_multiplies_bf16() else torch.float32
     return choices[name]
 
 
@@ -145,7 +146,10 @@ class Engine:
         calibrate_turbo_kv(self.model, self.tokenizer, self.kv_cache.stores, mc.num_kv_heads, mc.head_dim,
                            self.device, dtype, self.max_model_len, key_pairs if offset else None,
                            config.kv_balance and turbo)
-        prompt_dtype = resolve_cpu_prompt_dtype(config.cpu_prompt_dtype, self.device)
+        prompt_dtype = resolve_cpu_dtype(config.cpu_prompt_dtype, "cpu_prompt_dtype", self.device)
+        logits_dtype = resolve_cpu_dtype(config.cpu_logits_dtype, "cpu_logits_dtype", self.device)
+        if self.device.type == "cpu":
+            self.model.set_logits_dtype(logits_dtype)
         if self.device.type == "cpu" and config.cpu_int4 and owns_model:  # after the balance is folded
             self._use_int4_weights(loaded, prompt_dtype == torch.bfloat16)
         if turbo and self.device.type == "cpu":

@@ -82,10 +82,10 @@ def test_the_engine_flag_decides(cpu_int4):
     assert all((layer.self_attn.int4 is not None) == cpu_int4 for layer in engine.model.layers)
 
 
-@pytest.mark.parametrize("asked, amx, want", [("bfloat16", False, torch.bfloat16), ("float32", True, torch.float32),
-                                              ("auto", True, torch.bfloat16), ("auto", False, torch.float32)])
-def test_prompt_chunks_multiply_in_the_dtype_asked_or_bfloat16_where_the_cpu_has_amx(monkeypatch, asked, amx, want):
-    monkeypatch.setattr(backend, "cpu_has_amx", lambda: amx)
+@pytest.mark.parametrize("asked, native, want", [("bfloat16", False, torch.bfloat16), ("float32", True, torch.float32),
+                                                 ("auto", True, torch.bfloat16), ("auto", False, torch.float32)])
+def test_prompt_chunks_multiply_in_the_dtype_asked_or_bfloat16_where_the_cpu_has_it(monkeypatch, asked, native, want):
+    monkeypatch.setattr(backend, "cpu_multiplies_bf16", lambda: native)
     engine = Engine(EngineConfig(device="cpu", cpu_prompt_dtype=asked, kv_cache_memory=1 << 24))
     assert engine.runner.prompt_dtype == want
     weights = [w for layer in engine.model.layers for w in layer.mlp.int4 + layer.self_attn.int4]

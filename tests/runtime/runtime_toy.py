@@ -56,6 +56,7 @@ class ToyModel(nn.Module):
         self.embed = weight(c.vocab_size, c.hidden_size, scale=c.hidden_size**0.5)
         self.pos = weight(c.max_position_embeddings, c.hidden_size, scale=c.hidden_size**0.5)
         self.unembed = weight(c.vocab_size, c.hidden_size, scale=4.0)  # untied: the model must not just echo
+        self.logits_dtype = torch.float32
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.layers = nn.ModuleList(
             nn.ParameterDict(
@@ -92,8 +93,11 @@ class ToyModel(nn.Module):
     def rope_inv_freq(self) -> torch.Tensor:
         return torch.zeros(self.config.head_dim // 2)  # learned positions, no RoPE: key offsets do not turn
 
+    def set_logits_dtype(self, dtype: torch.dtype) -> None:
+        self.logits_dtype = dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self._norm(hidden) @ self.unembed.T).float()
+        return (self._norm(hidden).to(self.logits_dtype) @ self.unembed.T.to(self.logits_dtype)).float()
 
 
 @dataclass
@@ -136,8 +140,9 @@ def make_engine(loaded: ToyLoaded, num_pages: int = 512, **config) -> "Engine":
     # the steps scheduled ahead (test_async_scheduling.py checks the default).
     config.setdefault("async_scheduling", True)
     # The tests compare runs whose prompts are chunked differently (preemption, budgets): exactly, in float32. In
-    # bfloat16 (the default on a CPU with AMX) each chunking rounds its own way.
+    # bfloat16 (the default on a CPU that multiplies it natively) each chunking rounds its own way.
     config.setdefault("cpu_prompt_dtype", "float32")
+    config.setdefault("cpu_logits_dtype", "float32")
     engine = Engine(EngineConfig(kv_cache_memory=num_pages * BYTES_PER_PAGE, page_size=PAGE_SIZE, **config), loaded)
     engine.start()
     return engine

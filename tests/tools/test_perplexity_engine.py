@@ -21,10 +21,10 @@ CTX, CHUNKS = 64, 3
 def engine():
     from server.runtime.engine import Engine
 
-    # The float32 weights and products transformers multiplies too (not the 4-bit blocks, nor bfloat16 prompts on
-    # a CPU with AMX): the tool's bookkeeping is under test
+    # The float32 weights and products transformers multiplies too (not the 4-bit blocks, nor bfloat16 prompts or
+    # LM head on a CPU that multiplies bfloat16 natively): the tool's bookkeeping is under test
     engine = Engine(EngineConfig(device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256,
-                                 cpu_int4=False, cpu_prompt_dtype="float32"))  # fmt: skip
+                                 cpu_int4=False, cpu_prompt_dtype="float32", cpu_logits_dtype="float32"))  # fmt: skip
     yield engine
     engine.shutdown()
 
@@ -87,7 +87,8 @@ def test_cli_prints_chunks_and_final_line_and_writes_json(engine, text, tmp_path
     out = tmp_path / "ppl.json"
     cmd = [sys.executable, "-m", "server", "perplexity", "--device", "cpu", "--dtype", "float32",
            "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--file", str(src), "--ctx", str(CTX),
-           "--chunks", "2", "--json", str(out), "--no-cpu-int4", "--cpu-prompt-dtype", "float32"]  # fmt: skip
+           "--chunks", "2", "--json", str(out), "--no-cpu-int4", "--cpu-prompt-dtype", "float32",
+           "--cpu-logits-dtype", "float32"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -98,6 +99,7 @@ def test_cli_prints_chunks_and_final_line_and_writes_json(engine, text, tmp_path
     assert saved["ppl"] == pytest.approx(expected.ppl, rel=1e-6) and saved["n_chunks"] == 2
     assert saved["engine_config"]["kv_cache_dtype"] == "auto" and saved["file"] == str(src)
     assert saved["engine_config"]["cpu_int4"] is False and saved["engine_config"]["cpu_prompt_dtype"] == "float32"
+    assert saved["engine_config"]["cpu_logits_dtype"] == "float32"
 
 
 def test_cli_missing_file_fails_before_loading_the_model(tmp_path):

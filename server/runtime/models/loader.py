@@ -31,7 +31,9 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # forward(input_ids, positions, kv, meta) -> hidden; compute_logits(hidden) -> f32 logits
+    # forward(input_ids, positions, kv, meta) -> hidden; compute_logits(hidden) -> f32 logits;
+    # set_logits_dtype(dtype): what compute_logits multiplies in (a CPU's choice, EngineConfig.cpu_logits_dtype)
+    model: nn.Module
     tokenizer: Tokenizer
     config: ModelConfig
     name: str  # default served name, e.g. "SmolLM2-135M-Instruct"
