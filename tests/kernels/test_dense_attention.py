@@ -125,6 +125,21 @@ def test_decode_matches_reference_and_oracle(head_dim, group):
     assert_close(fast, reference, tolerance(dtype), "Triton decode vs reference")
 
 
+@pytest.mark.parametrize("grouped_tokens", [1, 100, 4096])  # no row short enough, some, all
+def test_reference_batches_short_decode_rows(monkeypatch, grouped_tokens):
+    """Decode rows up to GROUPED_DECODE_TOKENS go through one gather and two batched products, padded to the
+    longest of them; longer rows and prompt chunks take the per-sequence path. Every row matches the float64
+    oracle, over shuffled pages whose block-table padding points at a page in use."""
+    monkeypatch.setattr(paged_kv, "GROUPED_DECODE_TOKENS", grouped_tokens)
+    seq_lens, query_lens = [EDGE_LENS[-1], 1, 300, PAGE + 1, 40, PAGE, 2], [1, 1, 1, 1, 9, 1, 1]
+    q, k_pages, v_pages, meta = make_batch(seq_lens, query_lens, 6, 2, 64, torch.float32)
+    group = paged_kv._decode_group(meta, PAGE, q.device)
+    expected = {s for s, (n, m) in enumerate(zip(seq_lens, query_lens)) if m == 1 and n <= grouped_tokens}
+    assert (set() if group is None else group.sequences) == (expected if len(expected) > 1 else set())
+    assert_close(paged_attention_reference(q, k_pages, v_pages, meta, 0.125), oracle(q, k_pages, v_pages, meta, 0.125),
+                 1e-5, "reference with a decode group vs float64 oracle")  # fmt: skip
+
+
 @pytest.mark.parametrize("query_lens", [[1] * len(EDGE_LENS), [1, 2, 3, 16, 1, 40]])
 def test_reference_over_consecutive_pages_reads_them_as_a_view(query_lens):
     """Pages that are one run of the pool are read as a view, not gathered: the same answer."""
