@@ -98,11 +98,6 @@ def test_prompt_chunks_multiply_in_the_dtype_asked_or_bfloat16_where_the_cpu_has
         assert out.text.startswith("The capital of France is Paris"), out.text
 
 
-def test_an_unknown_prompt_dtype_is_refused():
-    with pytest.raises(ValueError, match="cpu_prompt_dtype"):
-        Engine(EngineConfig(device="cpu", cpu_prompt_dtype="float16", kv_cache_memory=1 << 24))
-
-
 def test_a_model_handed_to_an_engine_keeps_its_float_weights():
     """Dropping the float copies cannot be undone: another engine on the same model may need them (a turbo cache
     folds its K / V balance into the attention weights)."""

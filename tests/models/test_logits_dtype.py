@@ -60,6 +60,7 @@ def test_the_engine_multiplies_the_head_in_the_dtype_asked_or_bfloat16_where_the
         assert out.text.startswith("The capital of France is Paris"), out.text
 
 
-def test_an_unknown_logits_dtype_is_refused():
-    with pytest.raises(ValueError, match="cpu_logits_dtype"):
-        Engine(EngineConfig(device="cpu", cpu_logits_dtype="float16", kv_cache_memory=1 << 24))
+@pytest.mark.parametrize("field", ["cpu_prompt_dtype", "cpu_logits_dtype"])
+def test_an_unknown_cpu_dtype_is_refused(field):
+    with pytest.raises(ValueError, match=f"unknown {field} 'float16'"):
+        Engine(EngineConfig(device="cpu", kv_cache_memory=1 << 24, **{field: "float16"}))
