@@ -149,7 +149,9 @@ class Engine:
         prompt_dtype = resolve_cpu_dtype(config.cpu_prompt_dtype, "cpu_prompt_dtype", self.device)
         logits_dtype = resolve_cpu_dtype(config.cpu_logits_dtype, "cpu_logits_dtype", self.device)
         if self.device.type == "cpu":
-            self.model.set_logits_dtype(logits_dtype)
+            if copied := self.model.set_logits_dtype(logits_dtype):
+                log.info("CPU: the LM head multiplies in %s (a %.0f MiB copy); --cpu-logits-dtype float32 keeps it "
+                         "float32", str(logits_dtype).removeprefix("torch."), copied / 2**20)  # fmt: skip
         if self.device.type == "cpu" and config.cpu_int4 and owns_model:  # after the balance is folded
             self._use_int4_weights(loaded, prompt_dtype == torch.bfloat16)
         if turbo and self.device.type == "cpu":

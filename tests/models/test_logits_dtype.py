@@ -3,6 +3,8 @@ EngineConfig.cpu_logits_dtype): a bf16 copy of the head, logits against a float6
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def test_a_bf16_head_matches_the_float64_logits_to_bf16_rounding(tied):
     hidden = torch.randn(5, 96)
     oracle = hidden.double() @ head.detach().double().T
     exact = model.compute_logits(hidden)
-    model.set_logits_dtype(torch.bfloat16)
+    assert model.set_logits_dtype(torch.bfloat16) == head.numel() * 2
     assert model.logits_weight.dtype == torch.bfloat16 and head.dtype == torch.float32  # a copy: the head stays
     rounded = model.compute_logits(hidden)
     assert rounded.dtype == torch.float32 and rounded.shape == (5, 1001)
@@ -32,7 +34,7 @@ def test_a_bf16_head_matches_the_float64_logits_to_bf16_rounding(tied):
     assert ((rounded.double() - oracle).abs() <= bound).all()
     assert ((exact.double() - oracle).abs() <= 1e-3 * bound).all()
     assert (rounded - exact).abs().max() > 0
-    model.set_logits_dtype(torch.float32)
+    assert model.set_logits_dtype(torch.float32) == 0
     assert model.logits_weight is None and torch.equal(model.compute_logits(hidden), exact)
 
 
@@ -47,12 +49,16 @@ def test_the_embeddings_tied_to_a_bf16_head_stay_float32():
 @pytest.mark.parametrize("asked, native, want", [("bfloat16", False, torch.bfloat16), ("float32", True, None),
                                                  ("auto", True, torch.bfloat16), ("auto", False, None)])
 def test_the_engine_multiplies_the_head_in_the_dtype_asked_or_bfloat16_where_the_cpu_has_it(
-    monkeypatch, asked, native, want
+    monkeypatch, caplog, asked, native, want
 ):
     monkeypatch.setattr(backend, "cpu_multiplies_bf16", lambda: native)
-    engine = Engine(EngineConfig(device="cpu", cpu_logits_dtype=asked, kv_cache_memory=1 << 24))
+    with caplog.at_level(logging.INFO, logger="server.runtime.engine"):
+        engine = Engine(EngineConfig(device="cpu", cpu_logits_dtype=asked, kv_cache_memory=1 << 24))
     weight = engine.model.logits_weight
     assert (weight is None) if want is None else (weight.dtype == want)
+    said = [r.getMessage() for r in caplog.records if "LM head" in r.getMessage()]
+    assert said == ([] if want is None else ["CPU: the LM head multiplies in bfloat16 (a 54 MiB copy); "
+                                             "--cpu-logits-dtype float32 keeps it float32"])
     if want == torch.bfloat16:  # the embedded model still answers through the bf16 head
         prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(QUESTION))
         out = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))

@@ -93,8 +93,9 @@ class ToyModel(nn.Module):
     def rope_inv_freq(self) -> torch.Tensor:
         return torch.zeros(self.config.head_dim // 2)  # learned positions, no RoPE: key offsets do not turn
 
-    def set_logits_dtype(self, dtype: torch.dtype) -> None:
+    def set_logits_dtype(self, dtype: torch.dtype) -> int:
         self.logits_dtype = dtype
+        return 0  # no copy: each call rounds the unembedding
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self._norm(hidden).to(self.logits_dtype) @ self.unembed.T.to(self.logits_dtype)).float()

@@ -32,7 +32,8 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class LoadedModel:
     # forward(input_ids, positions, kv, meta) -> hidden; compute_logits(hidden) -> f32 logits;
-    # set_logits_dtype(dtype): what compute_logits multiplies in (a CPU's choice, EngineConfig.cpu_logits_dtype)
+    # set_logits_dtype(dtype) -> bytes of any weight copy it made: what compute_logits multiplies in (a CPU's
+    # choice, EngineConfig.cpu_logits_dtype)
     model: nn.Module
     tokenizer: Tokenizer
     config: ModelConfig
