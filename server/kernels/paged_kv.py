@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -113,18 +114,19 @@ class KVLayerStore(Protocol):
         """q [T, q_heads, head_dim] -> attention output of the same shape and dtype."""
 
 
-def _page_runs(meta: AttentionMetadata, page_size: int) -> list[int | None]:
-    """Each sequence's first page where its pages are consecutive in the pool, else None: its K / V are then a view
-    of the pool, not a gather (a sequence that grew alone, as one chat stream does). Host block tables only (a
-    device's would sync); once a step."""
-    def build() -> list[int | None]:
+def _page_runs(meta: AttentionMetadata, page_size: int) -> list[tuple[int, int]]:
+    """Each sequence's leading run of pages consecutive in the pool, (first page, pages in it): its K / V there are a
+    view of the pool, not a gather. A sequence that grew alone (one chat stream) is one run; one that decodes beside
+    others keeps its prompt's run and gathers only the pages appended since. Host block tables only (a device's
+    would sync: no runs); once a step."""
+    def build() -> list[tuple[int, int]]:
         if meta.block_tables.device.type != "cpu":
-            return [None] * len(meta.seq_lens_cpu)
+            return [(0, 0)] * len(meta.seq_lens_cpu)
         runs = []
         for row, seq_len in zip(meta.block_tables.numpy(), meta.seq_lens_cpu):
             pages = row[: -(-seq_len // page_size)]
-            consecutive = len(pages) > 0 and bool((pages[1:] - pages[:-1] == 1).all())
-            runs.append(int(pages[0]) if consecutive else None)
+            breaks = np.flatnonzero(pages[1:] - pages[:-1] != 1)
+            runs.append((int(pages[0]), int(breaks[0]) + 1 if len(breaks) else len(pages)) if len(pages) else (0, 0))
         return runs
 
     return meta.step_value(f"page runs {page_size}", build)
@@ -179,6 +181,12 @@ def _attend_decode_group(
     return torch.einsum("hbgt,hbtd->hbgd", torch.softmax(scores, dim=-1), v).transpose(0, 1).flatten(1, 2)
 
 
+def _tokens(pool: torch.Tensor, pages: slice | torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """[kv_heads, count, D] in ``dtype``: the first ``count`` tokens of ``pages`` of a K or V pool (a slice of the pool
+    is read as a view, a tensor of page indices gathered)."""
+    return pool[pages].flatten(0, 1)[:count].to(dtype).transpose(0, 1)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -204,16 +212,22 @@ def paged_attention_reference(
         if q_len == 0 or (grouped is not None and s in grouped.sequences):
             continue
         n_pages = -(-seq_len // page_size)
-        first = runs[s]
-        pages = slice(first, first + n_pages) if first is not None else meta.block_tables[s, :n_pages].long()
-        dtype = torch.float32 if q_len == 1 else meta.prompt_dtype
-        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].to(dtype).transpose(0, 1)  # [kv_heads, len, D]
-        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:seq_len].to(dtype).transpose(0, 1)
+        (first, run), dtype = runs[s], torch.float32 if q_len == 1 else meta.prompt_dtype
+        whole = slice(first, first + run) if run == n_pages else meta.block_tables[s, :n_pages].long()
         qs = q[starts[s] : starts[s] + q_len].to(dtype)
-        if q_len == 1:
+        if q_len == 1 and 0 < run < n_pages:  # a decode row: its leading run read in place, the pages after gathered
+            split, later = run * page_size, meta.block_tables[s, run:n_pages].long()
+            k_run, v_run = (_tokens(x, slice(first, first + run), split, dtype) for x in (k_pages, v_pages))
+            k_new, v_new = (_tokens(x, later, seq_len - split, dtype) for x in (k_pages, v_pages))
+            qg = qs.view(kv_heads, group, head_dim)
+            scores = torch.cat([torch.einsum("hgd,htd->hgt", qg, k) for k in (k_run, k_new)], dim=-1) * scale
+            p_run, p_new = torch.softmax(scores, dim=-1).split([split, seq_len - split], dim=-1)
+            o = torch.einsum("hgt,htd->hgd", p_run, v_run) + torch.einsum("hgt,htd->hgd", p_new, v_new)
+        elif q_len == 1:
             # GQA: a KV head's query heads as the rows of one query, [kv_heads, group, D]; one query sees every key.
             # Two batched products over the pages' strided view: SDPA's path for it took 1.5x as long (6000
             # tokens, 3 KV heads of 64 dims, 2-core CPU: 709 against 483 us).
+            k, v = (_tokens(x, whole, seq_len, dtype) for x in (k_pages, v_pages))
             scores = torch.einsum("hgd,htd->hgt", qs.view(kv_heads, group, head_dim), k) * scale
             o = torch.einsum("hgt,htd->hgd", torch.softmax(scores, dim=-1), v)
         else:
@@ -221,7 +235,7 @@ def paged_attention_reference(
             # head's keys (a copy), so that the causal case is SDPA's own (its fused CPU kernel): stacking a KV
             # head's query heads as rows, as above, needs an explicit mask, which took the unfused path, 5x slower
             # on a 2048-token prompt (2-core CPU, torch 2.13).
-            k, v = (x.repeat_interleave(group, dim=0)[None] for x in (k, v))
+            k, v = (_tokens(x, whole, seq_len, dtype).repeat_interleave(group, dim=0)[None] for x in (k_pages, v_pages))
             qs = qs.transpose(0, 1)[None]  # [1, q_heads, q_len, D]: the fused kernel takes 4-D inputs only
             if q_len == seq_len:
                 o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)

@@ -141,10 +141,22 @@ def test_reference_batches_short_decode_rows(monkeypatch, grouped_tokens):
 
 
 @pytest.mark.parametrize("query_lens", [[1] * len(EDGE_LENS), [1, 2, 3, 16, 1, 40]])
-def test_reference_over_consecutive_pages_reads_them_as_a_view(query_lens):
-    """Pages that are one run of the pool are read as a view, not gathered: the same answer."""
-    q, k_pages, v_pages, meta = make_batch(EDGE_LENS, query_lens, 6, 2, 64, torch.float32, consecutive=True)
-    assert all(run is not None for run in _page_runs(meta, PAGE))
+@pytest.mark.parametrize("appended", [0, 2])
+def test_reference_over_consecutive_pages_reads_them_as_a_view(monkeypatch, query_lens, appended):
+    """Pages that are one run of the pool are read as a view, not gathered: the same answer. ``appended``: each
+    sequence's last pages moved elsewhere in the pool, as decode steps beside other sequences append them; a
+    decode row then reads its leading run in place and gathers the rest."""
+    monkeypatch.setattr(paged_kv, "GROUPED_DECODE_TOKENS", 0)  # every row on its own path
+    q, k_pages, v_pages, meta = make_batch(EDGE_LENS, query_lens, 6, 2, 64, torch.float32, consecutive=True,
+                                           extra_pages=2 * len(EDGE_LENS))  # fmt: skip
+    held = [-(-n // PAGE) for n in EDGE_LENS]
+    spare = iter(range(k_pages.shape[0] - 1, sum(held) - 1, -1))  # descending: no two of them make a run
+    for s, n in enumerate(held):
+        for j in range(max(1, n - appended), n):  # the first page stays: a run of at least one
+            meta.block_tables[s, j] = next(spare)
+    runs = _page_runs(meta, PAGE)
+    assert [run for _, run in runs] == [max(1, n - appended) for n in held]
+    assert [first for first, _ in runs] == meta.block_tables[:, 0].tolist()
     assert_close(paged_attention_reference(q, k_pages, v_pages, meta, 0.125), oracle(q, k_pages, v_pages, meta, 0.125),
                  1e-5, "reference over page runs vs float64 oracle")  # fmt: skip
 
