@@ -187,6 +187,22 @@ def _tokens(pool: torch.Tensor, pages: slice | torch.Tensor, count: int, dtype: 
     return pool[pages].flatten(0, 1)[:count].to(dtype).transpose(0, 1)
 
 
+def _attend_one_query(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """q [kv_heads, group, D] (a KV head's query heads as the rows of one query; one query sees every key) over keys
+    and values given in parts [kv_heads, t_i, D], views of the pool where they can be -> [kv_heads, group, D]. Two
+    batched products a part over the strided views: SDPA's path for one query took 1.5x as long (6000 tokens, 3 KV
+    heads of 64 dims, 2-core CPU: 709 against 483 us)."""
+    scores = [torch.einsum("hgd,htd->hgt", q, k) for k in keys]
+    probs = torch.softmax((scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)) * scale, dim=-1)
+    out = None
+    for p, v in zip(probs.split([k.shape[1] for k in keys], dim=-1), values):
+        part = torch.einsum("hgt,htd->hgd", p, v)
+        out = part if out is None else out + part
+    return out
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -215,26 +231,19 @@ def paged_attention_reference(
         (first, run), dtype = runs[s], torch.float32 if q_len == 1 else meta.prompt_dtype
         whole = slice(first, first + run) if run == n_pages else meta.block_tables[s, :n_pages].long()
         qs = q[starts[s] : starts[s] + q_len].to(dtype)
-        if q_len == 1 and 0 < run < n_pages:  # a decode row: its leading run read in place, the pages after gathered
-            split, later = run * page_size, meta.block_tables[s, run:n_pages].long()
-            k_run, v_run = (_tokens(x, slice(first, first + run), split, dtype) for x in (k_pages, v_pages))
-            k_new, v_new = (_tokens(x, later, seq_len - split, dtype) for x in (k_pages, v_pages))
-            qg = qs.view(kv_heads, group, head_dim)
-            scores = torch.cat([torch.einsum("hgd,htd->hgt", qg, k) for k in (k_run, k_new)], dim=-1) * scale
-            p_run, p_new = torch.softmax(scores, dim=-1).split([split, seq_len - split], dim=-1)
-            o = torch.einsum("hgt,htd->hgd", p_run, v_run) + torch.einsum("hgt,htd->hgd", p_new, v_new)
-        elif q_len == 1:
-            # GQA: a KV head's query heads as the rows of one query, [kv_heads, group, D]; one query sees every key.
-            # Two batched products over the pages' strided view: SDPA's path for it took 1.5x as long (6000
-            # tokens, 3 KV heads of 64 dims, 2-core CPU: 709 against 483 us).
-            k, v = (_tokens(x, whole, seq_len, dtype) for x in (k_pages, v_pages))
-            scores = torch.einsum("hgd,htd->hgt", qs.view(kv_heads, group, head_dim), k) * scale
-            o = torch.einsum("hgt,htd->hgd", torch.softmax(scores, dim=-1), v)
+        if q_len == 1:
+            # A decode row whose pages break after a leading run (it decoded beside others) reads the run in place
+            # and gathers only the pages after it.
+            parts = [(whole, seq_len)] if run in (0, n_pages) else [
+                (slice(first, first + run), run * page_size),
+                (meta.block_tables[s, run:n_pages].long(), seq_len - run * page_size)]  # fmt: skip
+            keys, values = ([_tokens(x, pages, n, dtype) for pages, n in parts] for x in (k_pages, v_pages))
+            o = _attend_one_query(qs.view(kv_heads, group, head_dim), keys, values, scale)
         else:
             # Query i sits at position seq_len - q_len + i and sees the keys up to it. Each query head gets its KV
             # head's keys (a copy), so that the causal case is SDPA's own (its fused CPU kernel): stacking a KV
-            # head's query heads as rows, as above, needs an explicit mask, which took the unfused path, 5x slower
-            # on a 2048-token prompt (2-core CPU, torch 2.13).
+            # head's query heads as rows (_attend_one_query) needs an explicit mask, which took the unfused path, 5x
+            # slower on a 2048-token prompt (2-core CPU, torch 2.13).
             k, v = (_tokens(x, whole, seq_len, dtype).repeat_interleave(group, dim=0)[None] for x in (k_pages, v_pages))
             qs = qs.transpose(0, 1)[None]  # [1, q_heads, q_len, D]: the fused kernel takes 4-D inputs only
             if q_len == seq_len:
