@@ -24,6 +24,7 @@ bytes: both planes start on 16-byte boundaries.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +136,58 @@ def quantize_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     return codes, stored.squeeze(-1).to(torch.float16)
 
 
+def stored_order(bits: int, head_dim: int) -> tuple[int, ...]:
+    """The dim of each value dequantize_stored returns: the order a row's bytes hold them, each byte's fields from
+    its lowest bits up (turbo2 and turbo3's low plane: values 2j, 2j + 8, 2j + 1, 2j + 9 of a word in byte j;
+    turbo4: the natural order). It permutes within 16-value words, so every value stays in its group."""
+    if bits == 4:
+        return tuple(range(head_dim))
+    return tuple(16 * w + v for w in range(head_dim // 16) for j in range(4) for v in (2 * j, 2 * j + 8, 2 * j + 1, 2 * j + 9))
+
+
+@functools.cache
+def _key_table(bits: int, group: int, device: torch.device) -> torch.Tensor:
+    """float32 [keys, fields]: the centroids of the fields one key of _keys holds, lowest bits first."""
+    key = torch.arange(1 << 12 if bits == 3 else 256, device=device)
+    if bits == 3:  # the low plane's byte, then the four fields' third bits from bit 8 up
+        fields = [(key >> 2 * f & 3) | (key >> 8 + f & 1) << 2 for f in range(4)]
+    else:
+        fields = [key >> bits * f & (1 << bits) - 1 for f in range(8 // bits)]
+    return codebook(bits, group).centroids_tensor(device)[torch.stack(fields, dim=1)]
+
+
+def _keys(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """int64 [..., keys]: a row's lookup keys in stored_order. turbo2/turbo4: its bytes. turbo3: each byte of the low
+    plane with the third bits of its four fields above it. Byte j of a 32-value word of the high plane holds those
+    bits for byte j of both 16-value words of the low plane (layout above): bits 0, 1, 4, 5 the first's, 2, 3, 6, 7
+    the second's, in the order of the low byte's fields."""
+    if bits != 3:
+        return codes.long()
+    low = codes[..., : head_dim // 4].unflatten(-1, (head_dim // 32, 2, 4))
+    high = codes[..., head_dim // 4 :].unflatten(-1, (head_dim // 32, 1, 4))
+    third = torch.cat(((high & 3) | (high >> 2 & 12), (high >> 2 & 3) | (high >> 4 & 12)), dim=-2)
+    return (low.long() | third.long() << 8).flatten(-3)
+
+
+def dequantize_stored(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
+    """dequantize_rotated's values in stored_order, float32 [..., D]: one table lookup per byte of a row (per low byte
+    for turbo3), the fastest torch decode. A dot product or a weighted sum over the values of many rows comes out
+    the same in any order, so attention permutes its query (or its output) once instead of every cached row."""
+    layout = RowLayout(kind, head_dim)
+    table = _key_table(layout.bits, layout.group, codes.device)
+    c = table.index_select(0, _keys(codes, layout.bits, head_dim).flatten())
+    c = c.view(*codes.shape[:-1], layout.num_groups, layout.group)
+    return (c * norms.float()[..., None]).flatten(-2)
+
+
 def dequantize_rotated(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
     """The rotated-domain values attention uses: norm * c[idx], float32 [..., D]."""
-    layout = RowLayout(kind, head_dim)
-    book = codebook(layout.bits, layout.group)
-    idx = unpack_indices(codes, layout.bits, head_dim)
-    c = book.centroids_tensor(codes.device)[idx].reshape(*codes.shape[:-1], layout.num_groups, layout.group)
-    return (c * norms.float()[..., None]).reshape(*codes.shape[:-1], head_dim)
+    values = dequantize_stored(codes, norms, kind, head_dim)
+    order = stored_order(index_bits(kind), head_dim)
+    if order == tuple(range(head_dim)):
+        return values
+    natural = torch.tensor(order, device=codes.device).argsort()
+    return values.index_select(-1, natural)
 
 
 def dequantize_reference(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:

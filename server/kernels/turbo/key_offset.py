@@ -80,3 +80,23 @@ def key_offset_at(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
     """o(p) for every position [T] -> float32 [T, kv_heads, D] (the definition; kernels compute it in place)."""
     varying = rope_turn(offset.mean, positions, offset.inv_freq) + offset.const.float()[None]
     return torch.where((positions == 0)[:, None, None], offset.sink.float()[None], varying)
+
+
+
+def offset_scores(offset: KeyOffset, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """<q, o(p)> without o(p): q float32 [T, kv_heads, group, D], ``positions`` [J] -> [kv_heads, group, T, J].
+
+    RoPE(p) mean is zero off the P pairs, and on pair f (dims f, f + D/2) <q, RoPE(p) m> = cos(p theta_f)
+    (q_f m_f + q_f' m_f') + sin(p theta_f) (q_f' m_f - q_f m_f'), so a score needs P cosines and sines of its
+    position, not a D-wide vector (the torch decode over every cached key, recent.py, adds it this way)."""
+    t, heads, group, d = q.shape
+    pairs = offset.pairs.long()  # [H, P]
+    angle = positions.float()[:, None, None] * offset.inv_freq.float()[pairs]  # [J, H, P], as the model rounds it
+    at = lambda x, dims: x.gather(-1, dims)  # noqa: E731
+    m1, m2 = at(offset.mean.float(), pairs), at(offset.mean.float(), pairs + d // 2)  # [H, P]
+    dims = pairs[None, :, None].expand(t, heads, group, -1)
+    q1, q2 = at(q, dims), at(q, dims + d // 2)  # [T, H, group, P]
+    turned = (torch.einsum("thgp,jhp->hgtj", q1 * m1[:, None] + q2 * m2[:, None], angle.cos())
+              + torch.einsum("thgp,jhp->hgtj", q2 * m1[:, None] - q1 * m2[:, None], angle.sin()))
+    const, sink = (torch.einsum("thgd,hd->hgt", q, x.float())[..., None] for x in (offset.const, offset.sink))
+    return torch.where(positions == 0, sink, turned + const)

@@ -31,8 +31,8 @@ import torch
 from server.kernels.host_copy import to_device_together
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate, rotate_reference
-from server.kernels.turbo.format import dequantize_rotated, group_size
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at
+from server.kernels.turbo.format import dequantize_stored, group_size, index_bits, stored_order
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores
 
 
 _QUERY_BLOCK = 128  # the reference's query rows per block (CPU serving runs it; cache-sized scores)
@@ -112,12 +112,16 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
 
     Computed where the values are stored, in the rotated domain (the CPU serves through this): the rotation R is
     orthogonal, so <q, R^T k> = <R q, k> and sum_j p_j R^T v_j = R^T sum_j p_j v_j. Q is rotated once, the output
-    rotated back once, and no cached token is rotated. The offset's term <q, o(p)> is added in the original domain.
+    rotated back once, and no cached token is rotated. The pages decode in their stored order (format.stored_order):
+    Q is permuted to it for their scores and their part of the output permuted back. The offset's term <q, o(p)> is
+    added in the original domain (key_offset.offset_scores).
     """
     head_dim, size = q.shape[-1], recent.size
     group = group_size(head_dim)
     page_size, kv_heads = k_pages.codes.shape[2], k_pages.codes.shape[1]
     gqa = q.shape[1] // kv_heads
+    k_order = list(stored_order(index_bits(k_kind), head_dim))
+    v_natural = torch.tensor(stored_order(index_bits(v_kind), head_dim)).argsort().tolist()
     out = torch.empty_like(q)
     starts, rows_of_seq = _query_starts(meta), meta.recent_rows.tolist()
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
@@ -127,10 +131,10 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
         pages = meta.block_tables[s, : -(-seq_len // page_size)].long()
         positions = torch.arange(seq_len, device=q.device)
 
-        def paged(pages_of, kind):  # [kv_heads, seq_len, D], rotated: a KV head's keys one matrix
+        def paged(pages_of, kind):  # [kv_heads, seq_len, D], rotated, stored order: a KV head's keys one matrix
             codes, norms = (x[pages].transpose(0, 1).flatten(1, 2)[:, :seq_len]
                             for x in (pages_of.codes, pages_of.norms))
-            return dequantize_rotated(codes, norms, kind, head_dim)
+            return dequantize_stored(codes, norms, kind, head_dim)
 
         exact_from = max(first - size + 1, 0)  # the first position any of the chunk's queries reads exactly
 
@@ -140,9 +144,9 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
 
         k_quant, v_quant = paged(k_pages, k_kind), paged(v_pages, v_kind)
         k_exact, v_exact = exact(recent.k, step_k_rows), exact(recent.v, step_v_rows)
-        offset = key_offset_at(key_offset, positions).transpose(0, 1) if key_offset is not None else None
         qs = q[start : start + q_len].float()
         q_rot = rotate_reference(qs, group)
+        q_stored = q_rot[..., k_order]
         for b0 in range(0, q_len, _QUERY_BLOCK):  # blocks of queries: the scores stay cache-sized, causal keys only
             b1 = min(b0 + _QUERY_BLOCK, q_len)
             keys, near_from = first + b1, max(first + b0 - size + 1, 0)
@@ -151,15 +155,15 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             t = torch.arange(first + b0, first + b1, device=q.device)[:, None]  # [q, 1]
             j = positions[:keys]
             near = j[near_from:] > t - size  # [q, keys - near_from]
-            scores = dots(q_rot, k_quant[:, :keys])
+            scores = dots(q_stored, k_quant[:, :keys])
             exact_keys = slice(near_from - exact_from, keys - exact_from)
             scores[..., near_from:] = torch.where(near, dots(q_rot, k_exact[:, exact_keys]), scores[..., near_from:])
-            if offset is not None:
-                scores += dots(qs, offset[:, :keys])
+            if key_offset is not None:
+                scores += offset_scores(key_offset, by_kv(qs), j)
             probs = torch.softmax((scores * scale).masked_fill(j > t, float("-inf")), dim=-1)
             probs_near = probs[..., near_from:] * near
             probs[..., near_from:] *= ~near
-            acc = (torch.einsum("kgqj,kjd->qkgd", probs, v_quant[:, :keys])
+            acc = (torch.einsum("kgqj,kjd->qkgd", probs, v_quant[:, :keys])[..., v_natural]
                    + torch.einsum("kgqj,kjd->qkgd", probs_near, v_exact[:, exact_keys]))
             acc = rotate_reference(acc.reshape(b1 - b0, -1, head_dim), group, inverse=True)
             out[start + b0 : start + b1] = acc.to(q.dtype)

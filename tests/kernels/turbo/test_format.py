@@ -10,9 +10,11 @@ from server.kernels.turbo.format import (
     bits_per_value,
     dequantize_reference,
     dequantize_rotated,
+    dequantize_stored,
     group_size,
     pack_indices,
     quantize_reference,
+    stored_order,
     unpack_indices,
 )
 from server.kernels.turbo.quantize import TurboPages, store_turbo_triton
@@ -89,6 +91,29 @@ def test_rotated_decode_is_norm_times_centroid():
     c = torch.tensor(codebook(3, 64).centroids, dtype=torch.float32)
     expect = c[unpack_indices(codes, 3, 64)] * norms.float()
     assert torch.equal(dequantize_rotated(codes, norms, "turbo3", 64), expect)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_table_decode_matches_the_definition_on_every_byte(kind, head_dim):
+    """dequantize_stored's table lookups against norm * c[unpack_indices], exactly: rows whose bytes all hold one
+    value (turbo3: every pair of low-plane and high-plane byte, so every key at every position) and random rows."""
+    bits, layout = KINDS[kind], RowLayout(kind, head_dim)
+    byte = torch.arange(256, dtype=torch.uint8)
+    if bits == 3:
+        low, high = byte.repeat_interleave(256), byte.repeat(256)
+        uniform = torch.cat((low[:, None].expand(-1, head_dim // 4), high[:, None].expand(-1, head_dim // 8)), dim=1)
+    else:
+        uniform = byte[:, None].expand(-1, layout.row_bytes)
+    codes = torch.cat((uniform, torch.randint(0, 256, (64, layout.row_bytes), dtype=torch.uint8)))
+    norms = (torch.rand(len(codes), layout.num_groups) * 4).half()
+    c = torch.tensor(codebook(bits, layout.group).centroids, dtype=torch.float32)
+    want = (c[unpack_indices(codes, bits, head_dim)].view(len(codes), layout.num_groups, -1)
+            * norms.float()[..., None]).flatten(1)
+    assert torch.equal(dequantize_rotated(codes, norms, kind, head_dim), want)
+    order = list(stored_order(bits, head_dim))
+    assert sorted(order) == list(range(head_dim))
+    assert torch.equal(dequantize_stored(codes, norms, kind, head_dim), want[:, order])
 
 
 def test_bits_and_bytes_match_the_spec_table():
