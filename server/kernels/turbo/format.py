@@ -142,7 +142,8 @@ def stored_order(bits: int, head_dim: int) -> tuple[int, ...]:
     turbo4: the natural order). It permutes within 16-value words, so every value stays in its group."""
     if bits == 4:
         return tuple(range(head_dim))
-    return tuple(16 * w + v for w in range(head_dim // 16) for j in range(4) for v in (2 * j, 2 * j + 8, 2 * j + 1, 2 * j + 9))
+    byte_fields = [v for j in range(4) for v in (2 * j, 2 * j + 8, 2 * j + 1, 2 * j + 9)]
+    return tuple(16 * w + v for w in range(head_dim // 16) for v in byte_fields)
 
 
 @functools.cache

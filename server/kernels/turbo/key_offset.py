@@ -83,20 +83,28 @@ def key_offset_at(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
 
 
 
-def offset_scores(offset: KeyOffset, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """<q, o(p)> without o(p): q float32 [T, kv_heads, group, D], ``positions`` [J] -> [kv_heads, group, T, J].
+
+def pair_turns(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
+    """float32 [J, kv_heads, 2P + 1]: cos and sin of each position's angle on each of the P pairs, then a one, the
+    key side of offset_scores (computed once for all the queries that read these positions)."""
+    angle = positions.float()[:, None, None] * offset.inv_freq.float()[offset.pairs.long()]  # as the model rounds it
+    return torch.cat((angle.cos(), angle.sin(), angle.new_ones(*angle.shape[:-1], 1)), dim=-1)
+
+
+def offset_scores(offset: KeyOffset, q: torch.Tensor, positions: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """<q, o(p)> without o(p): q float32 [T, kv_heads, group, D], ``positions`` [J] with their pair_turns ->
+    [kv_heads, group, T, J].
 
     RoPE(p) mean is zero off the P pairs, and on pair f (dims f, f + D/2) <q, RoPE(p) m> = cos(p theta_f)
-    (q_f m_f + q_f' m_f') + sin(p theta_f) (q_f' m_f - q_f m_f'), so a score needs P cosines and sines of its
-    position, not a D-wide vector (the torch decode over every cached key, recent.py, adds it this way)."""
+    (q_f m_f + q_f' m_f') + sin(p theta_f) (q_f' m_f - q_f m_f'), so a score is one dot of 2P + 1 terms (the last
+    <q, const>), not of D (the torch decode over every cached key, recent.py, adds it this way)."""
     t, heads, group, d = q.shape
     pairs = offset.pairs.long()  # [H, P]
-    angle = positions.float()[:, None, None] * offset.inv_freq.float()[pairs]  # [J, H, P], as the model rounds it
     at = lambda x, dims: x.gather(-1, dims)  # noqa: E731
-    m1, m2 = at(offset.mean.float(), pairs), at(offset.mean.float(), pairs + d // 2)  # [H, P]
+    m1, m2 = (at(offset.mean.float(), pairs + half)[:, None] for half in (0, d // 2))  # [H, 1, P]
     dims = pairs[None, :, None].expand(t, heads, group, -1)
     q1, q2 = at(q, dims), at(q, dims + d // 2)  # [T, H, group, P]
-    turned = (torch.einsum("thgp,jhp->hgtj", q1 * m1[:, None] + q2 * m2[:, None], angle.cos())
-              + torch.einsum("thgp,jhp->hgtj", q2 * m1[:, None] - q1 * m2[:, None], angle.sin()))
-    const, sink = (torch.einsum("thgd,hd->hgt", q, x.float())[..., None] for x in (offset.const, offset.sink))
-    return torch.where(positions == 0, sink, turned + const)
+    const, sink = (torch.einsum("thgd,hd->thg", q, x.float())[..., None] for x in (offset.const, offset.sink))
+    scores = torch.einsum("thgc,jhc->hgtj", torch.cat((q1 * m1 + q2 * m2, q2 * m1 - q1 * m2, const), dim=-1), turns)
+    scores[..., positions == 0] = sink.permute(1, 2, 0, 3)
+    return scores

@@ -32,7 +32,7 @@ from server.kernels.host_copy import to_device_together
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate, rotate_reference
 from server.kernels.turbo.format import dequantize_stored, group_size, index_bits, stored_order
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores, pair_turns
 
 
 _QUERY_BLOCK = 128  # the reference's query rows per block (CPU serving runs it; cache-sized scores)
@@ -103,7 +103,8 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
                                     recent: RecentWindow, step_k_rows: torch.Tensor, step_v_rows: torch.Tensor,
                                     meta: AttentionMetadata, scale: float,
                                     key_offset: KeyOffset | None = None) -> torch.Tensor:
-    """The meaning of turbo attention with a recent window, in float32.
+    """The meaning of turbo attention with a recent window, in float32 (a prompt chunk's products in
+    ``meta.prompt_dtype``, as paged_kv's reference).
 
     k_pages / v_pages: TurboPages written with this step's tokens. ``recent``: the ring before this step's
     write (or after a decode step's: the only row that write changes is no longer read exactly).
@@ -140,18 +141,21 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
 
         def exact(ring, step_rows):  # [kv_heads, exact_from.., D]: the ring's rows before the chunk, then the step's
             ring_part = ring[rows_of_seq[s]][positions[exact_from:first] % size]
-            return torch.cat((ring_part, step_rows[start : start + q_len])).float().transpose(0, 1)
+            return torch.cat((ring_part, step_rows[start : start + q_len])).to(dtype).transpose(0, 1)
 
-        k_quant, v_quant = paged(k_pages, k_kind), paged(v_pages, v_kind)
+        dtype = torch.float32 if q_len == 1 else meta.prompt_dtype
+        k_quant, v_quant = paged(k_pages, k_kind).to(dtype), paged(v_pages, v_kind).to(dtype)
         k_exact, v_exact = exact(recent.k, step_k_rows), exact(recent.v, step_v_rows)
+        turns = pair_turns(key_offset, positions) if key_offset is not None else None
         qs = q[start : start + q_len].float()
         q_rot = rotate_reference(qs, group)
-        q_stored = q_rot[..., k_order]
+        q_rot, q_stored = q_rot.to(dtype), q_rot[..., k_order].to(dtype)
         for b0 in range(0, q_len, _QUERY_BLOCK):  # blocks of queries: the scores stay cache-sized, causal keys only
             b1 = min(b0 + _QUERY_BLOCK, q_len)
             keys, near_from = first + b1, max(first + b0 - size + 1, 0)
             by_kv = lambda x: x[b0:b1].reshape(b1 - b0, kv_heads, gqa, head_dim)  # noqa: E731
-            dots = lambda qx, kx: torch.einsum("qkgd,kjd->kgqj", by_kv(qx), kx)  # noqa: E731  [kv, gqa, q, keys]
+            # [kv, gqa, q, keys]
+            dots = lambda qx, kx: torch.einsum("qkgd,kjd->kgqj", by_kv(qx), kx).float()  # noqa: E731
             t = torch.arange(first + b0, first + b1, device=q.device)[:, None]  # [q, 1]
             j = positions[:keys]
             near = j[near_from:] > t - size  # [q, keys - near_from]
@@ -159,12 +163,12 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             exact_keys = slice(near_from - exact_from, keys - exact_from)
             scores[..., near_from:] = torch.where(near, dots(q_rot, k_exact[:, exact_keys]), scores[..., near_from:])
             if key_offset is not None:
-                scores += offset_scores(key_offset, by_kv(qs), j)
+                scores += offset_scores(key_offset, by_kv(qs), j, turns[:keys])
             probs = torch.softmax((scores * scale).masked_fill(j > t, float("-inf")), dim=-1)
             probs_near = probs[..., near_from:] * near
             probs[..., near_from:] *= ~near
-            acc = (torch.einsum("kgqj,kjd->qkgd", probs, v_quant[:, :keys])[..., v_natural]
-                   + torch.einsum("kgqj,kjd->qkgd", probs_near, v_exact[:, exact_keys]))
+            weigh = lambda p, vx: torch.einsum("kgqj,kjd->qkgd", p.to(dtype), vx).float()  # noqa: E731
+            acc = weigh(probs, v_quant[:, :keys])[..., v_natural] + weigh(probs_near, v_exact[:, exact_keys])
             acc = rotate_reference(acc.reshape(b1 - b0, -1, head_dim), group, inverse=True)
             out[start + b0 : start + b1] = acc.to(q.dtype)
     return out

@@ -13,7 +13,7 @@ import torch
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.turbo.attention import attention_over_decoded_pages
 from server.kernels.turbo.format import dequantize_reference, quantize_reference, unpack_indices
-from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores, pair_mask
+from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores, pair_mask, pair_turns
 from server.kernels.turbo.quantize import store_turbo_triton
 from server.kernels.turbo.store import TurboKVStore
 from test_attention import attention64, decode64
@@ -127,12 +127,12 @@ def test_key_offset_at_is_const_plus_the_turned_mean_and_the_sink_at_zero(head_d
 
 @pytest.mark.parametrize("head_dim,gqa,turned_pairs", [(64, 3, 8), (64, 1, None), (128, 4, 1), (256, 2, 0)])
 def test_offset_scores_are_q_dot_the_offset(head_dim, gqa, turned_pairs):
-    """offset_scores (P cosines and sines a position) against <q, o(p)> with o(p) from the float64 oracle."""
+    """offset_scores (2P + 1 terms a position) against <q, o(p)> with o(p) from the float64 oracle."""
     gen = torch.Generator().manual_seed(head_dim + gqa)
     offset = random_offset(3, head_dim, gen, turned_pairs=turned_pairs)
     q = torch.randn(5, 3, gqa, head_dim, generator=gen)
     positions = torch.tensor([0, 1, 2, 15, 16, 17, 999, 1000])
-    got = offset_scores(offset, q, positions)
+    got = offset_scores(offset, q, positions, pair_turns(offset, positions))
     want = torch.einsum("thgd,jhd->hgtj", q.double(), offset64(offset, positions))
     assert got.dtype == torch.float32 and got.shape == (3, gqa, 5, len(positions))
     assert_close(got, want, 2e-3 * want.abs().max().item(), "scores")

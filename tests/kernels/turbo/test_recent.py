@@ -19,7 +19,7 @@ def make_store(kv_heads: int, head_dim: int, window: int, rows: int = 4, pages: 
     return TurboKVStore(pages, PAGE, kv_heads, head_dim, *kinds, "cpu", torch.float32, recent=(rows, window))
 
 
-def run_steps(store, q, k, v, steps, tables, rows, scale):
+def run_steps(store, q, k, v, steps, tables, rows, scale, prompt_dtype=torch.float32):
     """Feed sequences through the store step by step. ``steps``: per step, a list of (sequence, n new tokens);
     q, k, v: per sequence [L, heads, D]. Returns each sequence's outputs, concatenated over its steps."""
     done = [0] * len(q)
@@ -42,7 +42,7 @@ def run_steps(store, q, k, v, steps, tables, rows, scale):
             slot_mapping=slots, block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
             seq_lens_cpu=seq_lens, query_lens_cpu=lens,
-            recent_rows=torch.tensor([rows[s] for s in seqs], dtype=torch.int32),
+            recent_rows=torch.tensor([rows[s] for s in seqs], dtype=torch.int32), prompt_dtype=prompt_dtype,
         )  # fmt: skip
         store.write(ks, vs, slots, pos)
         out = store.attend(qs, meta, scale)
@@ -121,6 +121,23 @@ def test_chunking_does_not_change_the_result_and_batches_mix_prefill_with_decode
                         [[(0, 1), (1, 1)]] * 11 + [[(0, 1)]] * 8, tables, [2, 1], scale)  # fmt: skip
     for a, b in zip(whole, decoded):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_prompt_chunks_multiply_in_the_prompt_dtype_and_decode_rows_in_float32():
+    """meta.prompt_dtype bfloat16 (a CPU that multiplies it natively): a chunk's products round to bf16 and stay
+    within bf16's error of the oracle; one-token rows stay float32, equal to a float32 run's."""
+    torch.manual_seed(5)
+    head_dim, kv_heads, gqa, window, n = 64, 2, 2, 5, 23
+    q, k, v = (torch.randn(n, h, head_dim) for h in (kv_heads * gqa, kv_heads, kv_heads))
+    steps, tables, scale = [[(0, 12)], [(0, 1)], [(0, 1)], [(0, 9)]], shuffled_tables([n]), head_dim**-0.5
+    (f32,), (bf16,) = (run_steps(make_store(kv_heads, head_dim, window), [q], [k], [v], steps, tables, [1], scale,
+                                 prompt_dtype=dtype) for dtype in (torch.float32, torch.bfloat16))
+    want = oracle(q, k, v, "turbo3", window, scale)
+    chunks = torch.cat((torch.arange(12), torch.arange(14, n)))
+    assert (f32.double() - want).abs().max() < 1e-4
+    assert not torch.equal(bf16[chunks], f32[chunks]), "the chunks' products must be bfloat16"
+    assert (bf16[chunks].double() - want[chunks]).abs().max() < 3e-2
+    assert torch.equal(bf16[12:14], f32[12:14]), "decode rows stay float32"
 
 
 def test_a_window_longer_than_the_sequence_reads_everything_exactly():
