@@ -138,8 +138,14 @@ class TurboKVStore:
         keys = new.k.float()
         if new.key_offset is not None:
             keys = keys - key_offset_at(new.key_offset, new.positions)
-        for pages, kind, x in ((self._k, self.k_kind, keys), (self._v, self.v_kind, new.v)):
-            codes, norms = quantize_reference(x[keep], kind)
+        stores = ((self._k, self.k_kind), (self._v, self.v_kind))
+        x = torch.cat((keys[keep], new.v[keep].float()), dim=1)  # K's heads, then V's
+        if self.k_kind == self.v_kind:  # one quantization for both: a CPU decode step pays per torch op, not per value
+            codes, norms = quantize_reference(x, self.k_kind)
+            coded = zip(codes.chunk(2, dim=1), norms.chunk(2, dim=1))
+        else:
+            coded = (quantize_reference(half, kind) for half, (_, kind) in zip(x.chunk(2, dim=1), stores))
+        for (pages, _), (codes, norms) in zip(stores, coded):
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms
 
