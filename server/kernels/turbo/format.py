@@ -17,7 +17,9 @@ nibble k (bits 4k..4k+3) holds the word's values k, k + 8, k + 16, k + 24 (as ma
     32c + 8j + k.
 Why: the decode kernel turns a row into 4-bit PRMT selectors of 8 consecutive values with
 one mask (and at most a shift) per plane (codes.decode_rows), and the looked-up fp16 pairs
-are consecutive values, ready to store as they come.
+are consecutive values, ready to store as they come. The torch decode (dequantize_stored)
+looks each byte up whole instead: one key per byte holds all of its fields (turbo3: the low
+plane's byte and the four third bits that belong to it).
 Norms live apart from the indices (fp16, one per group). For D = 128 a turbo3 row is 48
 bytes: both planes start on 16-byte boundaries.
 """

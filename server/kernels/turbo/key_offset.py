@@ -82,8 +82,6 @@ def key_offset_at(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
     return torch.where((positions == 0)[:, None, None], offset.sink.float()[None], varying)
 
 
-
-
 def pair_turns(offset: KeyOffset, positions: torch.Tensor) -> torch.Tensor:
     """float32 [J, kv_heads, 2P + 1]: cos and sin of each position's angle on each of the P pairs, then a one, the
     key side of offset_scores (computed once for all the queries that read these positions)."""

@@ -131,6 +131,7 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
         first, start = seq_len - q_len, starts[s]
         pages = meta.block_tables[s, : -(-seq_len // page_size)].long()
         positions = torch.arange(seq_len, device=q.device)
+        dtype = torch.float32 if q_len == 1 else meta.prompt_dtype
 
         def paged(pages_of, kind):  # [kv_heads, seq_len, D], rotated, stored order: a KV head's keys one matrix
             codes, norms = (x[pages].transpose(0, 1).flatten(1, 2)[:, :seq_len]
@@ -143,7 +144,6 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             ring_part = ring[rows_of_seq[s]][positions[exact_from:first] % size]
             return torch.cat((ring_part, step_rows[start : start + q_len])).to(dtype).transpose(0, 1)
 
-        dtype = torch.float32 if q_len == 1 else meta.prompt_dtype
         k_quant, v_quant = paged(k_pages, k_kind).to(dtype), paged(v_pages, v_kind).to(dtype)
         k_exact, v_exact = exact(recent.k, step_k_rows), exact(recent.v, step_v_rows)
         turns = pair_turns(key_offset, positions) if key_offset is not None else None
@@ -154,8 +154,7 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             b1 = min(b0 + _QUERY_BLOCK, q_len)
             keys, near_from = first + b1, max(first + b0 - size + 1, 0)
             by_kv = lambda x: x[b0:b1].reshape(b1 - b0, kv_heads, gqa, head_dim)  # noqa: E731
-            # [kv, gqa, q, keys]
-            dots = lambda qx, kx: torch.einsum("qkgd,kjd->kgqj", by_kv(qx), kx).float()  # noqa: E731
+            dots = lambda qx, kx: torch.einsum("qkgd,kjd->kgqj", by_kv(qx), kx).float()  # noqa: E731  [kv, gqa, q, j]
             t = torch.arange(first + b0, first + b1, device=q.device)[:, None]  # [q, 1]
             j = positions[:keys]
             near = j[near_from:] > t - size  # [q, keys - near_from]
