@@ -138,6 +138,7 @@ def quantize_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     return codes, stored.squeeze(-1).to(torch.float16)
 
 
+@functools.cache
 def stored_order(bits: int, head_dim: int) -> tuple[int, ...]:
     """The dim of each value dequantize_stored returns: the order a row's bytes hold them, each byte's fields from
     its lowest bits up (turbo2 and turbo3's low plane: values 2j, 2j + 8, 2j + 1, 2j + 9 of a word in byte j;
@@ -146,6 +147,13 @@ def stored_order(bits: int, head_dim: int) -> tuple[int, ...]:
         return tuple(range(head_dim))
     byte_fields = [v for j in range(4) for v in (2 * j, 2 * j + 8, 2 * j + 1, 2 * j + 9)]
     return tuple(16 * w + v for w in range(head_dim // 16) for v in byte_fields)
+
+
+@functools.cache
+def natural_order(bits: int, head_dim: int) -> tuple[int, ...]:
+    """stored_order's inverse: where dim d sits among dequantize_stored's values (index a stored-order tensor's last
+    dim with it to get the natural order)."""
+    return tuple(sorted(range(head_dim), key=stored_order(bits, head_dim).__getitem__))
 
 
 @functools.cache
@@ -185,12 +193,8 @@ def dequantize_stored(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_
 
 def dequantize_rotated(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
     """The rotated-domain values attention uses: norm * c[idx], float32 [..., D]."""
-    values = dequantize_stored(codes, norms, kind, head_dim)
-    order = stored_order(index_bits(kind), head_dim)
-    if order == tuple(range(head_dim)):
-        return values
-    natural = torch.tensor(order, device=codes.device).argsort()
-    return values.index_select(-1, natural)
+    values, bits = dequantize_stored(codes, norms, kind, head_dim), index_bits(kind)
+    return values if bits == 4 else values[..., natural_order(bits, head_dim)]  # turbo4 stores the natural order
 
 
 def dequantize_reference(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from server.kernels.host_copy import to_device_together
 from server.kernels.paged_kv import AttentionMetadata
 from server.kernels.rotation import rotate, rotate_reference
-from server.kernels.turbo.format import dequantize_stored, group_size, index_bits, stored_order
+from server.kernels.turbo.format import dequantize_stored, group_size, index_bits, natural_order, stored_order
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores, pair_turns
 
 
@@ -121,8 +121,8 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
     group = group_size(head_dim)
     page_size, kv_heads = k_pages.codes.shape[2], k_pages.codes.shape[1]
     gqa = q.shape[1] // kv_heads
-    k_order = list(stored_order(index_bits(k_kind), head_dim))
-    v_natural = torch.tensor(stored_order(index_bits(v_kind), head_dim)).argsort().tolist()
+    k_order = stored_order(index_bits(k_kind), head_dim)
+    v_natural = natural_order(index_bits(v_kind), head_dim)
     out = torch.empty_like(q)
     starts, rows_of_seq = _query_starts(meta), meta.recent_rows.tolist()
     for s, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):

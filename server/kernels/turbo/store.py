@@ -138,14 +138,12 @@ class TurboKVStore:
         keys = new.k.float()
         if new.key_offset is not None:
             keys = keys - key_offset_at(new.key_offset, new.positions)
-        stores = ((self._k, self.k_kind), (self._v, self.v_kind))
-        x = torch.cat((keys[keep], new.v[keep].float()), dim=1)  # K's heads, then V's
         if self.k_kind == self.v_kind:  # one quantization for both: a CPU decode step pays per torch op, not per value
-            codes, norms = quantize_reference(x, self.k_kind)
+            codes, norms = quantize_reference(torch.cat((keys[keep], new.v[keep].float()), dim=1), self.k_kind)
             coded = zip(codes.chunk(2, dim=1), norms.chunk(2, dim=1))
         else:
-            coded = (quantize_reference(half, kind) for half, (_, kind) in zip(x.chunk(2, dim=1), stores))
-        for (pages, _), (codes, norms) in zip(stores, coded):
+            coded = (quantize_reference(keys[keep], self.k_kind), quantize_reference(new.v[keep], self.v_kind))
+        for pages, (codes, norms) in zip((self._k, self._v), coded):
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms
 
