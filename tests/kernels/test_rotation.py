@@ -10,6 +10,7 @@ from server.kernels.rotation import (
     SIGNS2,
     flip_signs,
     rotate,
+    rotate_dense,
     rotate_reference,
     rotate_triton,
     sign_bits,
@@ -53,6 +54,23 @@ def test_reference_matches_float64_matrix(group, signs):
     assert torch.allclose(got, expect, atol=2e-6, rtol=0), (got - expect).abs().max()
     back = rotate_reference(expect.float(), group, inverse=True, signs=signs).double()
     assert torch.allclose(back, x, atol=2e-6, rtol=0), (back - x).abs().max()
+
+
+@pytest.mark.parametrize("group,signs", [(16, (SIGNS1, SIGNS2)), (64, (SIGNS1, SIGNS2)), (128, (SIGNS1, SIGNS2)), (256, WIDE)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_the_cpus_matrix_form_matches_float64_and_the_reference(group, signs, inverse):
+    """rotate_dense (what rotate runs on a CPU): any leading shape, within float32 rounding of the float64 matrix and
+    of the butterflies, forward and inverse."""
+    x = torch.randn(2, 5, 3 * group, dtype=torch.float64) * 10.0 ** torch.randint(-3, 4, (2, 5, 1))
+    r = rotation_matrix(group, signs)
+    expect = x.reshape(2, 5, 3, group) @ (r if inverse else r.T)
+    got = rotate_dense(x.float(), group, inverse, signs)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    size = x.reshape(2, 5, 3, group).norm(dim=-1, keepdim=True)
+    assert ((got.double().reshape(expect.shape) - expect).abs() / size).max() < 1e-6
+    reference = rotate_reference(x.float(), group, inverse, signs)
+    assert ((got - reference).double().reshape(expect.shape).abs() / size).max() < 1e-6
+    assert torch.equal(rotate(x.float(), group, inverse, signs), got)
 
 
 @pytest.mark.parametrize("group,signs", [(16, (SIGNS1, SIGNS2)), (64, (SIGNS1, SIGNS2)), (128, (SIGNS1, SIGNS2)), (256, WIDE)])

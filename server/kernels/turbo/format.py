@@ -122,13 +122,15 @@ def unpack_indices(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tens
     return _unpack_words(words, bits)
 
 
-def quantize_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (indices packed uint8 [..., row_bytes], norms fp16 [..., D / G]). float32 math."""
+def quantize_reference(x: torch.Tensor, kind: str, rotation=rotate_reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (indices packed uint8 [..., row_bytes], norms fp16 [..., D / G]). float32 math. ``rotation``:
+    the definition's butterflies, or rotation.rotate_dense where a CPU serves (equal to rounding: a value within
+    an ulp or so of a midpoint may take the other index, as in the kernels)."""
     layout = RowLayout(kind, x.shape[-1])
     book = codebook(layout.bits, layout.group)
     g = x.float().reshape(*x.shape[:-1], layout.num_groups, layout.group)
     n = torch.linalg.vector_norm(g, dim=-1, keepdim=True)
-    y = rotate_reference(torch.where(n > 0, g / n, torch.zeros_like(g)), layout.group)
+    y = rotation(torch.where(n > 0, g / n, torch.zeros_like(g)), layout.group)
     # Count the midpoints at or below y: nearest centroid, a tie goes to the upper index.
     idx = (y[..., None] >= book.midpoints_tensor(x.device)).sum(-1).to(torch.int32)
     idx = torch.where(n > 0, idx, torch.zeros_like(idx))

@@ -30,7 +30,7 @@ import torch
 
 from server.kernels.host_copy import to_device_together
 from server.kernels.paged_kv import AttentionMetadata
-from server.kernels.rotation import rotate, rotate_reference
+from server.kernels.rotation import rotate, rotate_dense
 from server.kernels.turbo.format import dequantize_stored, group_size, index_bits, natural_order, stored_order
 from server.kernels.turbo.key_offset import KeyOffset, key_offset_at, offset_scores, pair_turns
 
@@ -115,7 +115,9 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
     orthogonal, so <q, R^T k> = <R q, k> and sum_j p_j R^T v_j = R^T sum_j p_j v_j. Q is rotated once, the output
     rotated back once, and no cached token is rotated. The pages decode in their stored order (format.stored_order):
     Q is permuted to it for their scores and their part of the output permuted back. The offset's term <q, o(p)> is
-    added in the original domain (key_offset.offset_scores).
+    added in the original domain (key_offset.offset_scores). Only the positions some query reads from the pages
+    (j <= t - W) are decoded: none while a sequence is at most W long. Q and the output rotate as a CPU does
+    (rotation.rotate_dense).
     """
     head_dim, size = q.shape[-1], recent.size
     group = group_size(head_dim)
@@ -133,8 +135,12 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
         positions = torch.arange(seq_len, device=q.device)
         dtype = torch.float32 if q_len == 1 else meta.prompt_dtype
 
-        def paged(pages_of, kind):  # [kv_heads, seq_len, D], rotated, stored order: a KV head's keys one matrix
-            codes, norms = (x[pages].transpose(0, 1).flatten(1, 2)[:, :seq_len]
+        far = max(seq_len - size, 0)  # positions 0 .. far - 1: the only ones any of the chunk's queries reads paged
+
+        def paged(pages_of, kind):  # [kv_heads, far, D], rotated, stored order: a KV head's keys one matrix
+            if not far:  # a short sequence: every position is read exactly (and an empty decode costs ~100 us)
+                return q.new_empty(kv_heads, 0, head_dim, dtype=torch.float32)
+            codes, norms = (x[pages[: -(-far // page_size)]].transpose(0, 1).flatten(1, 2)[:, :far]
                             for x in (pages_of.codes, pages_of.norms))
             return dequantize_stored(codes, norms, kind, head_dim)
 
@@ -148,17 +154,19 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
         k_exact, v_exact = exact(recent.k, step_k_rows), exact(recent.v, step_v_rows)
         turns = pair_turns(key_offset, positions) if key_offset is not None else None
         qs = q[start : start + q_len].float()
-        q_rot = rotate_reference(qs, group)
+        q_rot = rotate_dense(qs, group)
         q_rot, q_stored = q_rot.to(dtype), q_rot[..., k_order].to(dtype)
         for b0 in range(0, q_len, _QUERY_BLOCK):  # blocks of queries: the scores stay cache-sized, causal keys only
             b1 = min(b0 + _QUERY_BLOCK, q_len)
             keys, near_from = first + b1, max(first + b0 - size + 1, 0)
+            block_far = max(keys - size, 0)  # from here on j > t - W for every query of the block
             by_kv = lambda x: x[b0:b1].reshape(b1 - b0, kv_heads, gqa, head_dim)  # noqa: E731
             dots = lambda qx, kx: torch.einsum("qkgd,kjd->kgqj", by_kv(qx), kx).float()  # noqa: E731  [kv, gqa, q, j]
             t = torch.arange(first + b0, first + b1, device=q.device)[:, None]  # [q, 1]
             j = positions[:keys]
             near = j[near_from:] > t - size  # [q, keys - near_from]
-            scores = dots(q_stored, k_quant[:, :keys])
+            scores = torch.empty(kv_heads, gqa, b1 - b0, keys, device=q.device)  # the where below fills block_far..
+            scores[..., :block_far] = dots(q_stored, k_quant[:, :block_far])
             exact_keys = slice(near_from - exact_from, keys - exact_from)
             scores[..., near_from:] = torch.where(near, dots(q_rot, k_exact[:, exact_keys]), scores[..., near_from:])
             if key_offset is not None:
@@ -167,7 +175,8 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
             probs_near = probs[..., near_from:] * near
             probs[..., near_from:] *= ~near
             weigh = lambda p, vx: torch.einsum("kgqj,kjd->qkgd", p.to(dtype), vx).float()  # noqa: E731
-            acc = weigh(probs, v_quant[:, :keys])[..., v_natural] + weigh(probs_near, v_exact[:, exact_keys])
-            acc = rotate_reference(acc.reshape(b1 - b0, -1, head_dim), group, inverse=True)
+            acc = weigh(probs[..., :block_far], v_quant[:, :block_far])[..., v_natural]
+            acc = acc + weigh(probs_near, v_exact[:, exact_keys])
+            acc = rotate_dense(acc.reshape(b1 - b0, -1, head_dim), group, inverse=True)
             out[start + b0 : start + b1] = acc.to(q.dtype)
     return out

@@ -27,7 +27,7 @@ import torch
 
 from server.kernels.backend import use_triton
 from server.kernels.paged_kv import AttentionMetadata, decode_rows_apart
-from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, sign_words_tensor
+from server.kernels.rotation import SIGNS1, SIGNS2, inv_sqrt_group, rotate_dense, sign_words_tensor
 from server.kernels.turbo.attention import NewTokens, attention_over_decoded_pages, decode_attention_triton
 from server.kernels.turbo.attention_cuda import decode_attention_cuda
 from server.kernels.turbo.codebook import codebook
@@ -139,10 +139,12 @@ class TurboKVStore:
         if new.key_offset is not None:
             keys = keys - key_offset_at(new.key_offset, new.positions)
         if self.k_kind == self.v_kind:  # one quantization for both: a CPU decode step pays per torch op, not per value
-            codes, norms = quantize_reference(torch.cat((keys[keep], new.v[keep].float()), dim=1), self.k_kind)
+            codes, norms = quantize_reference(torch.cat((keys[keep], new.v[keep].float()), dim=1), self.k_kind,
+                                              rotate_dense)
             coded = zip(codes.chunk(2, dim=1), norms.chunk(2, dim=1))
         else:
-            coded = (quantize_reference(keys[keep], self.k_kind), quantize_reference(new.v[keep], self.v_kind))
+            coded = (quantize_reference(keys[keep], self.k_kind, rotate_dense),
+                     quantize_reference(new.v[keep], self.v_kind, rotate_dense))
         for pages, (codes, norms) in zip((self._k, self._v), coded):
             pages.codes[page, :, offset] = codes
             pages.norms[page, :, offset] = norms

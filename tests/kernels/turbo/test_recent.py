@@ -19,12 +19,15 @@ def make_store(kv_heads: int, head_dim: int, window: int, rows: int = 4, pages: 
     return TurboKVStore(pages, PAGE, kv_heads, head_dim, *kinds, "cpu", torch.float32, recent=(rows, window))
 
 
-def run_steps(store, q, k, v, steps, tables, rows, scale, prompt_dtype=torch.float32):
+def run_steps(store, q, k, v, steps, tables, rows, scale, prompt_dtype=torch.float32, before_step=None):
     """Feed sequences through the store step by step. ``steps``: per step, a list of (sequence, n new tokens);
-    q, k, v: per sequence [L, heads, D]. Returns each sequence's outputs, concatenated over its steps."""
+    q, k, v: per sequence [L, heads, D]; ``before_step(i)`` runs before step i. Returns each sequence's outputs,
+    concatenated over its steps."""
     done = [0] * len(q)
     outs = [[] for _ in q]
-    for step in steps:
+    for i, step in enumerate(steps):
+        if before_step is not None:
+            before_step(i)
         seqs = [s for s, _ in step]
         lens = [n for _, n in step]
         pos = torch.cat([torch.arange(done[s], done[s] + n) for s, n in step])
@@ -149,6 +152,34 @@ def test_a_window_longer_than_the_sequence_reads_everything_exactly():
     probs = torch.softmax(scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")), dim=-1)
     exact = torch.einsum("hqk,kd->qhd", probs, v[:, 0].double())
     assert (out.double() - exact).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("n,read", [(8, False), (9, True)])
+def test_only_positions_read_from_the_pages_are_decoded(n, read):
+    """A decode step at length n with W = 8 reads positions j <= n - 1 - W from the pages: none at n = 8, position 0
+    at n = 9. NaN norms on every page before that step poison its output exactly when a page is read."""
+    torch.manual_seed(6)
+    head_dim, window = 64, 8
+    q, k, v = torch.randn(n, 2, head_dim), torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim)
+    steps, tables = [[(0, n - 1)], [(0, 1)]], shuffled_tables([n])
+
+    def run(before_step=None):
+        store = make_store(1, head_dim, window)
+
+        def poison(i):
+            if i == 1:
+                for pages in (store.k, store.v):
+                    pages.norms.fill_(float("nan"))
+
+        (out,) = run_steps(store, [q], [k], [v], steps, tables, [0], 0.125, before_step=poison if before_step else None)
+        return out[-1]
+
+    clean, poisoned = run(), run(before_step=True)
+    assert clean.isfinite().all()
+    if read:
+        assert poisoned.isnan().any()
+    else:
+        assert torch.equal(poisoned, clean)
 
 
 def test_keys_lose_the_stores_offset_in_the_window_as_in_the_pages():
