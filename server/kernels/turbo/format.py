@@ -89,14 +89,28 @@ class RowLayout:
         return self.row_bytes + NORM_BYTES * self.num_groups
 
 
+@functools.cache
+def byte_fields(width: int) -> tuple[int, ...]:
+    """The values of one 32-bit word of ``width``-bit fields in the order its bytes hold them, each byte's fields from
+    its lowest bits up: the field at word bit b = 8 j + width m (field m of byte j) is value k + 8 i where
+    b = 4 k + width i (the layout above). Width 2: 0, 8, 1, 9, 2, 10, ... (stored_order's word)."""
+    return tuple(b // 4 + 8 * (b % 4 // width) for b in range(0, 32, width))
+
+
+@functools.cache
+def _packing(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(byte_fields(width), device=device),
+            width * torch.arange(8 // width, dtype=torch.int32, device=device))
+
+
 def _pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack the values of the last dim into 32-bit words of ``width``-bit fields (the layout above) as bytes."""
+    """Pack the values of the last dim into 32-bit words of ``width``-bit fields (the layout above) as bytes: the
+    fields gathered into their bytes' order, then each byte's fields shifted into place and summed."""
     per_word = 32 // width
     words = fields.shape[-1] // per_word  # named, not -1: a batch of zero rows must reshape too
-    f = fields.to(torch.int64).reshape(*fields.shape[:-1], words, per_word // 8, 8)  # [..., word, field, nibble]
-    shifts = 4 * torch.arange(8, device=fields.device) + width * torch.arange(per_word // 8, device=fields.device)[:, None]
-    words = (f << shifts).sum((-1, -2))
-    return ((words[..., None] >> (8 * torch.arange(4, device=fields.device))) & 0xFF).to(torch.uint8).flatten(-2)
+    order, shifts = _packing(width, fields.device)
+    f = fields.to(torch.int32).reshape(*fields.shape[:-1], words, per_word)[..., order]
+    return (f.reshape(*fields.shape[:-1], 4 * words, 8 // width) << shifts).sum(-1).to(torch.uint8)
 
 
 def _unpack_words(words: torch.Tensor, width: int) -> torch.Tensor:
@@ -147,8 +161,7 @@ def stored_order(bits: int, head_dim: int) -> tuple[int, ...]:
     turbo4: the natural order). It permutes within 16-value words, so every value stays in its group."""
     if bits == 4:
         return tuple(range(head_dim))
-    byte_fields = [v for j in range(4) for v in (2 * j, 2 * j + 8, 2 * j + 1, 2 * j + 9)]
-    return tuple(16 * w + v for w in range(head_dim // 16) for v in byte_fields)
+    return tuple(16 * w + v for w in range(head_dim // 16) for v in byte_fields(2))
 
 
 @functools.cache
@@ -169,17 +182,25 @@ def _key_table(bits: int, group: int, device: torch.device) -> torch.Tensor:
     return codebook(bits, group).centroids_tensor(device)[torch.stack(fields, dim=1)]
 
 
+@functools.cache
+def _third_bits(device: torch.device) -> torch.Tensor:
+    """int64 [256, 2]: a turbo3 high-plane byte's third bits for its two low-plane bytes, each four at bit 8 up (see
+    _keys)."""
+    high = torch.arange(256, device=device)
+    return torch.stack(((high & 3) | (high >> 2 & 12), (high >> 2 & 3) | (high >> 4 & 12)), dim=-1) << 8
+
+
 def _keys(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     """int64 [..., keys]: a row's lookup keys in stored_order. turbo2/turbo4: its bytes. turbo3: each byte of the low
     plane with the third bits of its four fields above it. Byte j of a 32-value word of the high plane holds those
     bits for byte j of both 16-value words of the low plane (layout above): bits 0, 1, 4, 5 the first's, 2, 3, 6, 7
-    the second's, in the order of the low byte's fields."""
+    the second's, in the order of the low byte's fields; one lookup per high byte splits them (_third_bits)."""
     if bits != 3:
         return codes.long()
     low = codes[..., : head_dim // 4].unflatten(-1, (head_dim // 32, 2, 4))
-    high = codes[..., head_dim // 4 :].unflatten(-1, (head_dim // 32, 1, 4))
-    third = torch.cat(((high & 3) | (high >> 2 & 12), (high >> 2 & 3) | (high >> 4 & 12)), dim=-2)
-    return (low.long() | third.long() << 8).flatten(-3)
+    high = codes[..., head_dim // 4 :].unflatten(-1, (head_dim // 32, 4))
+    third = _third_bits(codes.device)[high.long()].transpose(-1, -2)  # [..., D / 32, 2, 4]
+    return (low.long() | third).flatten(-3)
 
 
 def dequantize_stored(codes: torch.Tensor, norms: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
