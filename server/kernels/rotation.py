@@ -56,6 +56,13 @@ def check_group(group: int, signs: tuple[SignWords, SignWords]) -> None:
             )
 
 
+def check_rows(x: torch.Tensor, group: int, signs: tuple[SignWords, SignWords]) -> None:
+    """check_group, and raise ValueError unless x's last dim is whole groups."""
+    check_group(group, signs)
+    if x.shape[-1] % group:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
+
+
 def sign_bits(words: SignWords, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The first ``group`` sign bits as int32 0/1 (1 means -1), element e from bit e & 31 of word e >> 5.
     Cached per table, group and device (the CPU reference rotates a few rows per layer and step): do not modify."""
@@ -110,9 +117,7 @@ def rotate_reference(
     x: torch.Tensor, group: int, inverse: bool = False, signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2)
 ) -> torch.Tensor:
     """The definition of the rotation, in float32; returns float32 of x's shape."""
-    check_group(group, signs)
-    if x.shape[-1] % group:
-        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
+    check_rows(x, group, signs)
     first, second = (signs[1], signs[0]) if inverse else (signs[0], signs[1])
     g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
     g = flip_signs(g.contiguous(), sign_bits(first, group, x.device))
@@ -133,9 +138,7 @@ def rotate_dense(
     x: torch.Tensor, group: int, inverse: bool = False, signs: tuple[SignWords, SignWords] = (SIGNS1, SIGNS2)
 ) -> torch.Tensor:
     """The rotation as one matrix product per group, float32 of x's shape (module docstring: the CPU's body)."""
-    check_group(group, signs)
-    if x.shape[-1] % group:
-        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
+    check_rows(x, group, signs)
     words = tuple(tuple(int(w) & 0xFFFFFFFF for w in table) for table in signs)
     m = rotation_matrix(group, inverse, words, x.device)
     return (x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group) @ m).reshape(x.shape)
@@ -224,9 +227,7 @@ def rotate_triton(
     ``elements_per_program`` (a power of two) trades registers for fewer programs; 4096
     measured fastest on the H200 (docs/BENCHMARKS.md).
     """
-    check_group(group, signs)
-    if x.shape[-1] % group:
-        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the rotation group {group}")
+    check_rows(x, group, signs)
     first, second = (signs[1], signs[0]) if inverse else (signs[0], signs[1])
     src = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
