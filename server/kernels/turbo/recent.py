@@ -151,7 +151,7 @@ def attention_with_recent_reference(q: torch.Tensor, k_pages, v_pages, k_kind: s
         far = max(seq_len - size, 0)  # positions 0 .. far - 1: the only ones any of the chunk's queries reads paged
 
         def paged(pages_of, kind):  # [kv_heads, far, D], rotated, stored order: a KV head's keys one matrix
-            if not far:  # a short sequence: every position is read exactly (and an empty decode costs ~100 us)
+            if not far:  # a short sequence: every position is read exactly (an empty decode still runs ~20 ops)
                 return q.new_empty(kv_heads, 0, head_dim, dtype=torch.float32)
             codes, norms = (x[pages[: -(-far // page_size)]].transpose(0, 1).flatten(1, 2)[:, :far]
                             for x in (pages_of.codes, pages_of.norms))
