@@ -1,9 +1,11 @@
-"""Where a batch-1 decode step spends its time, per kernel, through the engine's captured CUDA graph (GPU only).
+"""Where a decode step spends its time, per kernel, through the engine's captured CUDA graph (GPU only).
 
     python bench/decode_step_profile.py                      # 8B shape, bf16 KV, 300 tokens of context
     python bench/decode_step_profile.py --shape depth-2048 --kv-cache-dtype bf16,turbo3 --depth 16384,65536
+    python bench/decode_step_profile.py --shape depth-2048 --kv-cache-dtype bf16,turbo3 --depth 512 --batch 32
 
-Per (KV cache dtype, depth): the shape's random-weight model over one KV store per layer (turbo kinds with a
+Per (KV cache dtype, depth): --batch sequences of the same length (batch 1 by default), each on pages of its own,
+through the shape's random-weight model over one KV store per layer (turbo kinds with a
 random key offset like the engine's default, partial on DEFAULT_KV_KEY_TURNED_PAIRS pairs per KV head:
 bench/kernels_turbo.engine_key_offset), every page filled with random data, the decode graph captured as the
 engine captures it (DecodeGraphs, planned for max_model_len = depth + 33 like bench/e2e.py's depth rows) and
@@ -38,9 +40,9 @@ STEPS = 8  # profiled replays
 DEPTH_SLACK = 33  # bench/e2e.py's depth rows: max_model_len = depth + 32 timed tokens + 1
 
 
-def make_stores(cfg, kind: str, num_pages: int, dev: torch.device, window: int) -> list:
+def make_stores(cfg, kind: str, num_pages: int, dev: torch.device, window: int, rows: int) -> list:
     """One store per layer, every page random (turbo: valid codes, norms around a key's size; a recent-window row
-    of ``window`` tokens for the one sequence, random too, unless 0)."""
+    of ``window`` tokens for each of ``rows`` sequences, random too, unless 0)."""
     stores = []
     gen = torch.Generator().manual_seed(0)
     for _ in range(cfg.num_layers):
@@ -50,7 +52,7 @@ def make_stores(cfg, kind: str, num_pages: int, dev: torch.device, window: int) 
             store.v_pages.normal_()
         else:
             store = TurboKVStore(num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, kind, kind, dev, torch.bfloat16,
-                                 recent=(1, window) if window else (0, 0))
+                                 recent=(rows, window) if window else (0, 0))
             if store.recent is not None:
                 store.recent.k.normal_()
                 store.recent.v.normal_()
@@ -89,24 +91,27 @@ def kernel_table(prof, steps: int) -> int:
     return len(evs)
 
 
-def profile_case(loaded, kind: str, depth: int, dev: torch.device, window: int) -> None:
+def profile_case(loaded, kind: str, depth: int, dev: torch.device, window: int, batch: int = 1) -> None:
     cfg = loaded.config
     max_model_len = depth + DEPTH_SLACK
     seq_len = depth + 16
     max_pages = -(-max_model_len // PAGE)
-    stores = make_stores(cfg, kind, max_pages + 1, dev, window)
-    graphs = DecodeGraphs(loaded.model, stores, 1, max_pages, max_model_len, dev)
+    stores = make_stores(cfg, kind, batch * max_pages + 1, dev, window, batch)
+    graphs = DecodeGraphs(loaded.model, stores, batch, max_pages, max_model_len, dev)
     graphs.capture()
-    table = torch.arange(-(-seq_len // PAGE), dtype=torch.int32)[None].numpy()
-    args = ([7], [seq_len - 1], [seq_len - 1], [seq_len], [0], table)
+    first_pages = torch.arange(batch, dtype=torch.int32)[:, None] * max_pages  # sequence b owns pages b * max_pages..
+    table = (first_pages + torch.arange(-(-seq_len // PAGE), dtype=torch.int32)).numpy()
+    last = seq_len - 1
+    args = ([7] * batch, [last] * batch, [int(p) * PAGE + last for p in first_pages[:, 0]], [seq_len] * batch,
+            list(range(batch)), table)  # fmt: skip
     model = loaded.model
 
     def step():
         return model.compute_logits(graphs.run_host(*args)).argmax(-1).tolist()
 
     ring = f", recent window {window}" if kind != "bf16" and window else ""
-    print(f"{cfg.num_layers} layers, {kind} KV{ring}, depth {depth} (seq_len {seq_len}, graph planned for "
-          f"{max_model_len}):", flush=True)
+    print(f"{cfg.num_layers} layers, {kind} KV{ring}, batch {batch}, depth {depth} (seq_len {seq_len}, graph "
+          f"planned for {max_model_len}):", flush=True)
     with torch.inference_mode():
         for _ in range(5):
             step()
@@ -129,7 +134,7 @@ def profile_case(loaded, kind: str, depth: int, dev: torch.device, window: int) 
         c3 = time.perf_counter() - t
         print(f"  host: run_host returns after {c0 * 1e6:.0f} us; compute_logits {c1 * 1e6:.0f} us, +argmax "
               f"{c2 * 1e6:.0f} us, done (gpu) {c3 * 1e6:.0f} us")
-        graph = graphs.graphs[1, graphs.context_bucket(seq_len)]  # the graph run_host replays
+        graph = graphs.graphs[batch, graphs.context_bucket(seq_len)]  # the graph run_host replays
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(30):
@@ -145,7 +150,7 @@ def profile_case(loaded, kind: str, depth: int, dev: torch.device, window: int) 
             print("  graph kernels not traced; eager steps instead (launch gaps larger than in the graph):")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(STEPS):
-                    model.forward(graphs.input_ids[:1], graphs.positions[:1], stores, graphs._meta(1))
+                    model.forward(graphs.input_ids[:batch], graphs.positions[:batch], stores, graphs._meta(batch))
                 torch.cuda.synchronize()
             kernel_table(prof, STEPS)
 
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", default="300", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 16384,65536")
     p.add_argument("--kv-recent-window", default=str(DEFAULT_KV_RECENT_WINDOW),
                    type=lambda s: [int(x) for x in s.split(",")], help="turbo kinds: e.g. 0,128 (default: the engine's)")
+    p.add_argument("--batch", type=int, default=1, help="sequences in the decode step, all at the same depth")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     loaded = build_random_model(SHAPES[args.shape], dev, torch.bfloat16)
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for depth in args.depth:
             for window in args.kv_recent_window if kind != "bf16" else [0]:
                 try:
-                    profile_case(loaded, kind, depth, dev, window)
+                    profile_case(loaded, kind, depth, dev, window, args.batch)
                 except Exception as exc:  # report and go on: one failing case must not cost the others
                     print(f"{kind} @ {depth}, window {window}: FAILED {exc!r}", flush=True)
                 torch.cuda.empty_cache()

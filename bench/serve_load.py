@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -201,7 +202,8 @@ def run_scenario(server: Server, scenario: Scenario, seed: int) -> dict:
 
 
 def _ms(stats: dict, key: str) -> str:
-    return "-" if stats[key] is None else f"{stats[key]:,.0f}"
+    value = stats[key]
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
 
 def table(results: list[tuple[str, Scenario, dict]]) -> str:
@@ -245,6 +247,10 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, scenarios: list[Scenario
                     if summary["pages_used_after"] or not summary["engine_alive"]:
                         raise RuntimeError(f"pages still owned {summary['pages_used_after']:.0f}, engine alive "
                                            f"{summary['engine_alive']:.0f}\n{server.log_tail()}")  # fmt: skip
+                if args.keep_dir:  # the server's own view: step and kernel time histograms, its log
+                    os.makedirs(args.keep_dir, exist_ok=True)
+                    Path(args.keep_dir, f"metrics-{kv}.txt").write_text(server.metrics())
+                    shutil.copy(server.log_path, Path(args.keep_dir, f"server-{kv}.log"))
     return results, pools
 
 
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--serve-args", default="", help="more `turboserve serve` flags, one string")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-dir", help="write each server's final /metrics and its log here")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     args.serve_args = args.serve_args.split()

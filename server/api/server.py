@@ -23,6 +23,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         log.error("cannot start: %s", exc)
         return 2
     engine.start()
+    if engine.device.type == "cuda":  # where kernels compile at first use (a CPU runs torch's, compiled already)
+        from server.runtime.engine import EngineNotRunning
+        from server.runtime.warmup import warm_up
+
+        try:
+            log.info("warmed up the prompt and mixed-step kernels in %.1f s", warm_up(engine))
+        except EngineNotRunning:
+            pass  # said below
+        if not engine.is_alive():
+            log.error("cannot start: the engine loop died during the warm-up (its traceback is above)")
+            engine.shutdown()
+            return 1
     log.info("engine ready in %.1f s; serving '%s' on http://%s:%d/v1%s", time.perf_counter() - started,
              engine.model_name, server_config.host, server_config.port,
              " (API key required)" if server_config.api_key else "")

@@ -110,6 +110,19 @@ class RequestMetrics:
         return RequestTimeline(self, time.monotonic() if arrival is None else arrival)
 
 
+class UnrecordedTimeline:
+    """The timeline of one of the engine's own requests (the start-up warm-up): it records nothing."""
+
+    def on_scheduled(self, now: float | None = None) -> None:
+        pass
+
+    def on_tokens(self, num_tokens: int, num_prompt_tokens: int, now: float | None = None) -> None:
+        pass
+
+    def on_finished(self, finish_reason: str, now: float | None = None) -> None:
+        pass
+
+
 class RequestTimeline:
     """The moments of one request; observes each latency as soon as it is known."""
 

@@ -22,6 +22,7 @@ import torch
 from server.config import DEFAULT_KV_KEY_OFFSET, EngineConfig
 from server.kernels import backend, timing
 from server.metrics import EngineMetrics
+from server.metrics.requests import UnrecordedTimeline
 from server.runtime.detokenizer import IncrementalDetokenizer
 from server.runtime.kv_cache import (
     TURBO_KV_KINDS, KVCache, KVLayout, bits_per_value, bytes_per_token, default_budget_bytes, resolve_kv_kinds,
@@ -258,9 +259,12 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         on_output: Callable[[RequestOutput], None],
+        recorded: bool = True,
     ) -> None:
+        """Queue a request; ``on_output`` gets its tokens (from the engine loop's thread). ``recorded=False``: the
+        engine's own request (warmup.py), left out of the request metrics."""
         try:
-            self._admit(request_id, prompt_token_ids, params, on_output)
+            self._admit(request_id, prompt_token_ids, params, on_output, recorded)
         except RequestRejected:
             self.metrics.requests.on_failure("bad_request")
             raise
@@ -268,11 +272,11 @@ class Engine:
             self.metrics.requests.on_failure("overloaded")
             raise
 
-    def _admit(self, request_id, prompt_token_ids, params, on_output) -> None:
+    def _admit(self, request_id, prompt_token_ids, params, on_output, recorded) -> None:
         self._validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, prompt_token_ids, params, _int64_seed(seed), on_output)
-        seq.timeline = self.metrics.requests.timeline()
+        seq.timeline = self.metrics.requests.timeline() if recorded else UnrecordedTimeline()
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output, params.min_tokens

@@ -26,7 +26,8 @@ def test_the_random_checkpoint_loads_as_its_shape(tmp_path):
 
 def test_servers_under_a_small_kv_budget_serve_everything_and_leave_no_page():
     args = argparse.Namespace(shape="smollm2-135m", kv_cache_dtype="f32,turbo3", kv_cache_memory="2MiB",
-                              max_model_len=512, max_num_seqs=4, device="cpu", serve_args=[], seed=0)
+                              max_model_len=512, max_num_seqs=4, device="cpu", serve_args=[], seed=0,
+                              keep_dir=None)
     scenario = Scenario("long", concurrency=4, prompts=6, input_len=200, output_len=64)
     results, pools = measure(args, SHAPE, [scenario])
     by_kv = {kv: summary for kv, _, summary in results}
